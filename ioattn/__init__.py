@@ -1,0 +1,29 @@
+"""ioattn: hardware-aware attention — exact IO-aware kernels, a paged KV-cache manager and a serving engine.
+
+The public API is imported lazily so that `import ioattn.kv` (pure Python) never pulls in torch.
+"""
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "flash_attn_func": "ioattn.ops.attention",
+    "flash_attn_varlen_func": "ioattn.ops.attention",
+    "sdpa": "ioattn.ops.attention",
+    "explain": "ioattn.ops.dispatch",
+    "paged_attention": "ioattn.ops.paged",
+    "reshape_and_cache": "ioattn.ops.paged",
+    "merge_states": "ioattn.ops.paged",
+    "copy_blocks": "ioattn.ops.paged",
+    "swap_blocks": "ioattn.ops.paged",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ioattn' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
