@@ -1,0 +1,261 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3), readable top to bottom.
+
+The model works on a *flat, packed* batch: `input_ids (T,)` and `positions (T,)` hold the tokens of every
+sequence in the batch back to back (prefill chunks and decode tokens alike), so no padding is ever computed.
+Attention is the one place that needs to know where sequences start and what they have cached; the model hands
+it over to a pluggable callable `attention(q, k, v, layer_idx, ctx)` with q (T, Hq, D), k/v (T, Hkv, D) after
+RoPE, and `ctx` an object the caller built for this batch (the engine passes its paged-KV context; tests and
+simple generation pass `DenseCausalAttention`). Parameter names are those of Hugging Face checkpoints, except
+that q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
+`checkpoint_layout` says where each checkpoint tensor goes.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ioattn.models.config import ModelConfig
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, object], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, in the order transformers uses, so that bf16/fp16
+        # models round exactly as their reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device=None) -> torch.Tensor:
+    """Inverse rotary frequencies (head_dim / 2,) in float32, with Llama-3 scaling when the config has it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: wavelengths longer than the pre-training context are stretched by `factor`, short ones are kept,
+    # and the band between is interpolated smoothly.
+    old_context = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_context / scaling.low_freq_factor
+    high_freq_wavelen = old_context / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin (T, head_dim) for each token's position, computed in float32 then cast (as transformers does)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, H, D) by its token's angles; halves (not interleaved pairs), the HF checkpoint convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.qkv_sizes), bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(self, x, cos, sin, attention: Attention, ctx) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, self.layer_idx, ctx)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, cos, sin, attention: Attention, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    """Everything but the LM head: HF's `model.` prefix."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Fused parameter -> the checkpoint projections stacked in it, in row order.
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config: ModelConfig, attention: Attention | None = None):
+        super().__init__()
+        self.config = config
+        self.attention = attention or dense_causal_attention
+        self.model = DecoderStack(config)
+        # Tied models read their logits off the embedding matrix; no second parameter to keep in sync.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """Packed tokens (T,) at their positions (T,) -> final hidden states (T, hidden), normed."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, self.attention, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states (N, hidden) -> float32 logits (N, vocab); the caller picks the rows it samples from."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def reset_rope(self) -> None:
+        """Recompute the float32 RoPE frequencies on the model's device (after `to_empty` or a dtype cast)."""
+        self.inv_freq = rope_inv_freq(self.config, device=self.model.norm.weight.device)
+
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, int]]:
+        """HF checkpoint tensor name -> (parameter name, first row, end row) of the rows it fills."""
+        layout = {}
+        for name, param in self.named_parameters():
+            module_path, _, kind = name.rpartition(".")
+            parent, _, leaf = module_path.rpartition(".")
+            parts = self.FUSED.get(leaf)
+            if parts is None:
+                layout[name] = (name, 0, param.shape[0])
+                continue
+            c = self.config
+            kv_rows = c.num_kv_heads * c.head_dim
+            sizes = (c.num_heads * c.head_dim, kv_rows, kv_rows) if leaf == "qkv_proj" else (c.intermediate_size,) * 2
+            start = 0
+            for part, size in zip(parts, sizes, strict=True):
+                layout[f"{parent}.{part}.{kind}"] = (name, start, start + size)
+                start += size
+        return layout
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype, device, attention: Attention | None = None
+) -> LlamaForCausalLM:
+    """A model whose parameters are allocated on `device` in `dtype` but not initialised (the caller fills them)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention)
+    model = model.to(dtype).to_empty(device=device)
+    model.reset_rope()
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class DenseCausalAttention:
+    """Attention context for batches with no KV cache: each packed sequence attends causally to itself only.
+
+    `backend` "ioattn" runs `ioattn.flash_attn_varlen_func`, "torch" runs PyTorch SDPA one sequence at a time,
+    "auto" picks ioattn when its kernels import. Build one per batch with `DenseCausalAttention.build`.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    window_sizes: tuple[tuple[int, int], ...]
+    backend: str = "auto"
+
+    BACKENDS = ("auto", "ioattn", "torch")
+
+    @classmethod
+    def build(cls, seq_lens: Sequence[int], config: ModelConfig, device, backend: str = "auto") -> DenseCausalAttention:
+        if backend not in cls.BACKENDS:
+            raise ValueError(f"backend must be one of {cls.BACKENDS}, got {backend!r}")
+        if not seq_lens or min(seq_lens) <= 0:
+            raise ValueError(f"seq_lens must be a non-empty list of positive lengths, got {list(seq_lens)}")
+        cu = torch.tensor([0, *seq_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        windows = tuple(config.window_size(i) for i in range(config.num_layers))
+        return cls(cu_seqlens=cu, max_seqlen=max(seq_lens), window_sizes=windows, backend=backend)
+
+
+def dense_causal_attention(q, k, v, layer_idx: int, ctx: DenseCausalAttention) -> torch.Tensor:
+    """The default `attention` callable: causal (optionally windowed) attention within each packed sequence."""
+    window = ctx.window_sizes[layer_idx]
+    varlen = _ioattn_varlen() if ctx.backend != "torch" else None
+    if ctx.backend == "ioattn" and varlen is None:
+        raise ValueError("backend 'ioattn' needs ioattn.ops.attention.flash_attn_varlen_func, which did not import")
+    if varlen is not None:
+        return varlen(
+            q, k, v, cu_seqlens_q=ctx.cu_seqlens, cu_seqlens_k=ctx.cu_seqlens,
+            max_seqlen_q=ctx.max_seqlen, max_seqlen_k=ctx.max_seqlen, causal=True, window_size=window,
+        )
+    out = torch.empty_like(q)
+    bounds = ctx.cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        # (1, H, L, D) views of one sequence; GQA through enable_gqa, no copies of K/V per query head.
+        q_s, k_s, v_s = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if window == (-1, -1):
+            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, enable_gqa=True)
+        else:
+            pos = torch.arange(end - start, device=q.device)
+            offset = pos[:, None] - pos[None, :]
+            mask = (offset >= 0) & (offset <= window[0])
+            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
+        out[start:end] = o_s.squeeze(0).transpose(0, 1)
+    return out
+
+
+@functools.cache
+def _ioattn_varlen():
+    """ioattn's varlen kernel entry point, or None when it cannot be imported (checked once)."""
+    try:
+        from ioattn.ops.attention import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func

@@ -1,0 +1,145 @@
+"""Loading a model: a local Hugging Face checkpoint folder or a built-in preset (`tiny`, `llama3-8b-shape`).
+
+A checkpoint folder holds `config.json`, weights in `model.safetensors` or shards listed by
+`model.safetensors.index.json`, `tokenizer.json`, and optionally `generation_config.json` (whose `eos_token_id`,
+an int or a list, wins over config.json's: Llama-3-Instruct stops on <|eot_id|> as well as <|end_of_text|>).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ioattn.models.config import ModelConfig, eos_token_ids
+from ioattn.models.llama import LlamaForCausalLM, build_model
+from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Checkpoint tensors with no parameter behind them: RoPE tables some older exports saved (recomputed here).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: ByteTokenizer | HFTokenizer
+    config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> LoadedModel:
+    """A checkpoint folder or a preset name -> model (eval mode, no grad), tokenizer, config and stop ids.
+
+    dtype: a torch dtype, "float32" / "float16" / "bfloat16", or "auto" (the checkpoint's `torch_dtype`, else
+    bfloat16 on CUDA and float32 on the CPU). device: default CUDA when present.
+    """
+    from ioattn.models.presets import PRESETS, load_preset
+
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = os.fspath(path_or_preset)
+    if name in PRESETS and not os.path.isdir(name):
+        return load_preset(name, dtype=dtype, device=device)
+    if not os.path.isdir(name):
+        raise FileNotFoundError(
+            f"model {name!r} is neither a checkpoint folder nor a preset (presets: {', '.join(sorted(PRESETS))})"
+        )
+    config = ModelConfig.from_json(name)
+    generation_config = load_generation_config(name)
+    stop_ids = eos_token_ids(generation_config.get("eos_token_id")) or config.eos_token_ids
+    bos = generation_config.get("bos_token_id", config.bos_token_id)
+    tokenizer = HFTokenizer(name, bos_token_id=bos, eos_token_ids=stop_ids)
+    model = build_model(config, resolve_dtype(dtype, config, device), device)
+    load_weights(model, name)
+    return LoadedModel(model, tokenizer, config, stop_ids, generation_config)
+
+
+def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype == "auto":
+        if config.dtype is not None:
+            return config.dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)} (or the torch dtype), got {dtype!r}")
+
+
+def load_generation_config(path: str | os.PathLike) -> dict:
+    """`generation_config.json` as a dict; {} when the checkpoint has none."""
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+    """The safetensors files of a checkpoint folder: the shards its index lists, or its single file(s)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    files = sorted(glob.glob(os.path.join(glob.escape(os.fspath(path)), "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
+    """Fill every parameter of `model` from the checkpoint, converting dtype; check the names first, so a
+    mismatched checkpoint fails before anything is read."""
+    from safetensors import safe_open
+
+    layout = model.checkpoint_layout()
+    files = checkpoint_files(path)
+    names_by_file = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names_by_file[file] = list(f.keys())
+    found = {name for names in names_by_file.values() for name in names}
+    # A tied model's logits come from the embedding; a duplicate lm_head in the file is not a second weight.
+    ignorable = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    unexpected = sorted(n for n in found - layout.keys() - ignorable if not n.endswith(_IGNORED_SUFFIXES))
+    missing = sorted(layout.keys() - found)
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint {path} does not match the {model.config.model_type} model: "
+            f"missing tensors {_preview(missing)}, unexpected tensors {_preview(unexpected)}"
+        )
+    params = dict(model.named_parameters())
+    device = model.model.norm.weight.device
+    # Reading straight onto the GPU lets the dtype cast run there too.
+    read_device = str(device) if device.type == "cuda" else "cpu"
+    for file, names in names_by_file.items():
+        with safe_open(file, framework="pt", device=read_device) as f:
+            for name in names:
+                if name not in layout:
+                    continue
+                param_name, start, end = layout[name]
+                target = params[param_name].data[start:end]
+                tensor = f.get_tensor(name)
+                if tensor.shape != target.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+
+
+def _preview(names: list[str], limit: int = 6) -> str:
+    if not names:
+        return "none"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
