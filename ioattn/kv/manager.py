@@ -1,0 +1,360 @@
+"""`KVCacheManager`: paged KV-cache bookkeeping for the engine (vLLM's PagedAttention idea, nano-vllm's style).
+
+The manager owns no tensors. It maps every sequence's logical token positions onto physical blocks of
+`block_size` slots (slot = block * block_size + offset) and hands the runner plans: block tables, slot
+mappings, copy-on-write (src, dst) pairs and swap (from, to) lists. Running out of blocks is not an error:
+a call returns None with the state unchanged, and the engine decides (wait, preempt, swap). Bad input
+(unknown or duplicate sequence ids, a sequence in the wrong place, impossible positions) raises ValueError
+naming the argument, with the state unchanged.
+
+Decisions, and why:
+
+- **On-demand, ≤ 1 partly-filled block per sequence.** A sequence holds ceil(num_tokens / block_size)
+  blocks; only the last one can be partial, so internal waste is < one block per sequence and there is no
+  external fragmentation (every free block fits every request).
+- **Sharing by reference count; copy-on-write.** `fork` shares every block. Full blocks are never written
+  again, so only a shared, partly-filled last block needs a copy: `append` then takes a fresh block, moves
+  the sequence onto it and returns (src, dst) for the runner to copy before writing. No write ever lands in
+  a block with reference count > 1.
+- **Prefix caching (see prefix_hash.py for the hash).** Only full blocks are cached, and only once their KV
+  is written: the engine calls `mark_computed(seq_id, n)` after a step has written the first n tokens
+  (vLLM v1's order). Registering at reservation instead would let a second request skip prefill over blocks
+  whose KV a chunked prefill has not written yet. An engine that never calls it still runs correctly, only
+  without cache hits. `allocate` hits at most the full blocks before the prompt's last token, because the
+  last token must be computed to produce logits and its block is written then.
+- **Finished sequences' blocks stay cached.** `free` releases blocks; registered ones with no holder stay
+  findable in an LRU and are evicted only when a fresh block is needed and no free block is left. A
+  sequence releases its deepest block first, so within one sequence the tails go before the shared prefix.
+- **Hits of a preempted request are not prefix-cache hits.** A request preempted by recompute is `free`d
+  and later re-admitted with `allocate(..., is_resume=True)`; its hits (mostly its own blocks, still cached)
+  are counted as `resume_hit_tokens`, and neither its queries nor its hits enter the prefix-cache hit rate —
+  each request's prompt is counted once, at its first admission.
+- **Watermark.** `allocate` and `swap_in` (admission) refuse when fewer than `int(watermark * num_blocks)`
+  available blocks would remain; `append` may use that reserve, so running sequences can keep decoding for
+  a while after admission stops (fewer preemptions).
+- **Swap.** `swap_out` moves all of a sequence's blocks to the CPU pool, `swap_in` back. With prefix
+  caching on, a full block registered on one side (its KV written, see mark_computed) is looked up on the
+  other: such a block shared by two sequences (a common prefix, a fork) is copied once and reference-counted
+  in the CPU pool too, and one still cached on the GPU is revived by `swap_in` without a copy. Other blocks
+  (partly filled, not yet computed, or with prefix caching off) are copied per sequence, a shared one once
+  for each sharer: partly-filled blocks are mutable, and a simple correct rule beats an optimisation for
+  the one such block per sequence it would save.
+- **StreamingLLM eviction.** `evict_window` releases the blocks wholly between the first `sink_tokens`
+  tokens and the last `window_tokens`, and marks their table entries `EVICTED` (-1): logical positions stay
+  (RoPE positions and the table's indexing do not move), `slot_mapping` over them raises, and the paged
+  kernel, given the same sinks and window, never reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+from ioattn.kv.block_pool import EVICTED, BlockPool
+from ioattn.kv.invariants import check
+from ioattn.kv.prefix_hash import ROOT, block_digest, block_key, check_extra_key
+from ioattn.kv.stats import KVStats, collect
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence's bookkeeping; `blocks` holds GPU ids, or CPU ids while swapped out."""
+
+    seq_id: Hashable
+    token_ids: list[int]
+    blocks: list[int]
+    extra_key: Hashable
+    num_computed: int
+    # Chained digests of the first len(digests) full blocks whose KV is written (the prefix-cache chain).
+    digests: list[bytes] = field(default_factory=list)
+    on_gpu: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class KVCacheManager:
+    """Block tables over a GPU pool of `num_blocks` blocks of `block_size` token slots, and an optional CPU
+    swap pool of `num_cpu_blocks`; see the module docstring for the policies."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ):
+        _check_count("num_blocks", num_blocks, 1)
+        _check_count("block_size", block_size, 1)
+        _check_count("num_cpu_blocks", num_cpu_blocks, 0)
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.gpu = BlockPool(num_blocks)
+        self.cpu = BlockPool(num_cpu_blocks)
+        self.seqs: dict[Hashable, Sequence] = {}
+        # Counters reported by stats().
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.resume_hit_tokens = 0
+        self.cow_copies = 0
+        self.swap_out_blocks = 0
+        self.swap_in_blocks = 0
+        self.window_evicted_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gpu.num_blocks
+
+    # -- lookups -----------------------------------------------------------------------------------------
+
+    def _get(self, seq_id: Hashable) -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise ValueError(f"seq_id {seq_id!r}: unknown sequence (never allocated, or already freed)")
+        return seq
+
+    def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
+        seq = self._get(seq_id)
+        if not seq.on_gpu:
+            raise ValueError(f"seq_id {seq_id!r} is swapped out; swap_in before {action}")
+        return seq
+
+    def _hits(self, token_ids: list[int], extra_key: Hashable) -> tuple[list[int], list[bytes]]:
+        """Cached blocks of the longest matching prefix, stopping before the block of the last token."""
+        bs = self.block_size
+        hits, digests, parent = [], [], ROOT
+        for i in range((len(token_ids) - 1) // bs):
+            block = self.gpu.lookup(block_key(parent, token_ids[i * bs : (i + 1) * bs], extra_key))
+            if block is None:
+                break
+            parent = self.gpu.digest_of[block]
+            hits.append(block)
+            digests.append(parent)
+        return hits, digests
+
+    # -- the engine's verbs ----------------------------------------------------------------------------
+
+    def allocate(
+        self, seq_id: Hashable, token_ids: Iterable[int], extra_key: Hashable = None, *, is_resume: bool = False
+    ) -> int | None:
+        """Reserve blocks for a new sequence's prompt; the number of prompt tokens already cached, or None.
+
+        Slots for every prompt token are reserved; the first (returned) tokens' KV is already in the cache,
+        so their prefill is skipped. None when the blocks would cut into the watermark; state unchanged.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"seq_id {seq_id!r} already exists")
+        check_extra_key(extra_key)
+        tokens = list(token_ids)
+        if not tokens:
+            raise ValueError("token_ids must hold at least one token")
+        needed = _cdiv(len(tokens), self.block_size)
+        if needed > self.num_blocks - self.watermark_blocks:
+            raise ValueError(
+                f"token_ids: {len(tokens)} tokens need {needed} blocks, more than the "
+                f"{self.num_blocks - self.watermark_blocks} the pool can ever admit (num_blocks minus watermark)"
+            )
+        hits, digests = self._hits(tokens, extra_key) if self.enable_prefix_caching else ([], [])
+        revived = sum(1 for block in hits if self.gpu.ref_count[block] == 0)
+        if self.gpu.num_available - revived - (needed - len(hits)) < self.watermark_blocks:
+            return None
+        for block in hits:
+            self.gpu.share(block)
+        blocks = hits + [self.gpu.take() for _ in range(needed - len(hits))]
+        cached_tokens = len(hits) * self.block_size
+        self.seqs[seq_id] = Sequence(seq_id, tokens, blocks, extra_key, cached_tokens, digests)
+        if is_resume:
+            self.resume_hit_tokens += cached_tokens
+        elif self.enable_prefix_caching:
+            self.prefix_query_tokens += len(tokens)
+            self.prefix_hit_tokens += cached_tokens
+        return cached_tokens
+
+    def append(self, seq_id: Hashable, token_ids: Iterable[int]) -> list[tuple[int, int]] | None:
+        """Reserve slots for new tokens; the copy-on-write (src, dst) pairs to copy first, or None.
+
+        The runner copies each src block to dst before the step writes the new tokens' KV; the engine then
+        calls mark_computed. None when the pool (watermark reserve included) has too few blocks; state unchanged.
+        """
+        seq = self._on_gpu(seq_id, "append")
+        new_tokens = list(token_ids)
+        bs = self.block_size
+        old_len = seq.num_tokens
+        fresh = _cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
+        last = seq.blocks[-1]
+        copy_on_write = old_len % bs != 0 and bool(new_tokens) and self.gpu.ref_count[last] > 1
+        if fresh + copy_on_write > self.gpu.num_available:
+            return None
+        copies = []
+        if copy_on_write:
+            copy = self.gpu.take()
+            self.gpu.release(last)
+            seq.blocks[-1] = copy
+            copies.append((last, copy))
+            self.cow_copies += 1
+        seq.blocks.extend(self.gpu.take() for _ in range(fresh))
+        seq.token_ids.extend(new_tokens)
+        return copies
+
+    def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
+        """The KV of the sequence's first num_tokens tokens is written: its full blocks become cacheable."""
+        seq = self._on_gpu(seq_id, "mark_computed")
+        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}] (already computed .. "
+                f"reserved) for seq_id {seq_id!r}, got {num_tokens!r}"
+            )
+        seq.num_computed = num_tokens
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(len(seq.digests), num_tokens // bs):
+            parent = seq.digests[-1] if seq.digests else ROOT
+            key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+            digest = block_digest(key)
+            seq.digests.append(digest)
+            if seq.blocks[i] != EVICTED:
+                self.gpu.register(seq.blocks[i], key, digest)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """The child shares every block of the parent (n > 1 sampling, beam search)."""
+        parent = self._on_gpu(parent_id, "fork")
+        if child_id in self.seqs:
+            raise ValueError(f"child_id {child_id!r} already exists")
+        for block in parent.blocks:
+            if block != EVICTED:
+                self.gpu.share(block)
+        self.seqs[child_id] = Sequence(
+            child_id, list(parent.token_ids), list(parent.blocks), parent.extra_key, parent.num_computed,
+            list(parent.digests),
+        )
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop a sequence (finished, aborted or preempted); its registered blocks stay cached."""
+        seq = self._get(seq_id)
+        del self.seqs[seq_id]
+        pool = self.gpu if seq.on_gpu else self.cpu
+        for block in reversed(seq.blocks):
+            if block != EVICTED:
+                pool.release(block)
+
+    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]] | None:
+        """Move a sequence to the CPU pool: the (gpu, cpu) copies to run, or None if the CPU pool is full."""
+        seq = self._on_gpu(seq_id, "swap_out")
+        if self.cpu.num_blocks == 0:
+            raise ValueError("swap_out needs a CPU pool: construct the manager with num_cpu_blocks > 0")
+        moves = self._move(seq, self.gpu, self.cpu, reserve=0)
+        if moves is not None:
+            self.swap_out_blocks += len(moves)
+        return moves
+
+    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out sequence back: the (cpu, gpu) copies, or None under the watermark.
+
+        The copies must run before the next forward pass: a copied-in full block is findable by the prefix
+        cache at once.
+        """
+        seq = self._get(seq_id)
+        if seq.on_gpu:
+            raise ValueError(f"seq_id {seq_id!r} is not swapped out")
+        moves = self._move(seq, self.cpu, self.gpu, reserve=self.watermark_blocks)
+        if moves is not None:
+            self.swap_in_blocks += len(moves)
+        return moves
+
+    def _move(self, seq: Sequence, src: BlockPool, dst: BlockPool, reserve: int) -> list[tuple[int, int]] | None:
+        """Re-home a sequence's blocks from src to dst, reusing blocks dst holds under the same key."""
+        targets = [
+            dst.lookup(src.key_of[block]) if block != EVICTED and src.key_of[block] is not None else None
+            for block in seq.blocks
+        ]
+        to_copy = sum(1 for block, target in zip(seq.blocks, targets) if block != EVICTED and target is None)
+        revived = sum(1 for target in targets if target is not None and dst.ref_count[target] == 0)
+        if dst.num_available - revived - to_copy < reserve:
+            return None
+        # Share the reused blocks before taking fresh ones, so take() cannot evict them.
+        for target in targets:
+            if target is not None:
+                dst.share(target)
+        moves = []
+        for i, (block, target) in enumerate(zip(seq.blocks, targets)):
+            if block != EVICTED and target is None:
+                target = dst.take()
+                moves.append((block, target))
+                if src.key_of[block] is not None:
+                    dst.register(target, src.key_of[block], src.digest_of[block])
+            targets[i] = EVICTED if block == EVICTED else target
+        for block in reversed(seq.blocks):
+            if block != EVICTED:
+                src.release(block)
+        seq.blocks = targets
+        seq.on_gpu = not seq.on_gpu
+        return moves
+
+    def evict_window(self, seq_id: Hashable, sink_tokens: int, window_tokens: int) -> list[int]:
+        """StreamingLLM: release the blocks wholly between the first sink_tokens tokens and the last
+        window_tokens; returns the released block ids, deepest first (a shared block stays with its other holders).
+        """
+        seq = self._on_gpu(seq_id, "evict_window")
+        _check_count("sink_tokens", sink_tokens, 0)
+        _check_count("window_tokens", window_tokens, 1)
+        bs = self.block_size
+        first = _cdiv(sink_tokens, bs)
+        end = (seq.num_tokens - window_tokens) // bs
+        freed = []
+        for i in range(end - 1, first - 1, -1):
+            block = seq.blocks[i]
+            if block != EVICTED:
+                self.gpu.release(block)
+                seq.blocks[i] = EVICTED
+                freed.append(block)
+        self.window_evicted_blocks += len(freed)
+        return freed
+
+    # -- plans for the runner ------------------------------------------------------------------------------
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """Physical block of each logical block; EVICTED (-1) where evict_window released it."""
+        return list(self._on_gpu(seq_id, "block_table").blocks)
+
+    def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
+        """Cache slot of each token position in [start, end)."""
+        seq = self._on_gpu(seq_id, "slot_mapping")
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= seq.num_tokens):
+            raise ValueError(
+                f"start, end must satisfy 0 <= start <= end <= {seq.num_tokens} (tokens of seq_id {seq_id!r}), "
+                f"got start={start!r}, end={end!r}"
+            )
+        bs = self.block_size
+        slots = []
+        for i in range(start // bs, _cdiv(end, bs)):
+            block = seq.blocks[i]
+            if block == EVICTED:
+                raise ValueError(f"positions [{i * bs}, {(i + 1) * bs}) of seq_id {seq_id!r} were evicted")
+            base = block * bs
+            slots.extend(range(base + max(start - i * bs, 0), base + min(end - i * bs, bs)))
+        return slots
+
+    # -- introspection ---------------------------------------------------------------------------------
+
+    def stats(self) -> KVStats:
+        return collect(self)
+
+    def check_invariants(self) -> None:
+        """Raise InvariantError, naming the broken invariant, unless the whole state is consistent."""
+        check(self)
