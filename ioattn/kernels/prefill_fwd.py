@@ -1,0 +1,323 @@
+"""FlashAttention forward (FA2 loop order) in Triton: one program per (query tile, batch x head).
+
+The kernel holds no policy: tile sizes, warps, stages, GQA packing and the dot precision all come from the
+caller (`ioattn.ops.dispatch`). Q, K, V and O move through device-side tensor descriptors (TMA on Hopper);
+their out-of-bounds rows and columns read as zero and are clipped on store, so ragged sequence ends and the
+head dim padded to a power of two need no load masks. Per-element masks are applied only on the K/V tiles
+that straddle a causal/window/sequence boundary, or on every tile when a dense mask is streamed.
+
+Warp specialization (`tl.range(..., warp_specialize=True)`) is not used: in Triton 3.6 it compiles only for a
+single branch-free loop, and on an H200 that variant left rows of O and LSE unwritten (seen 2026-11-29), so
+the kernel keeps the three-loop (masked / unmasked / masked) structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ioattn.kernels import interpreted
+
+LOG2E = 1.4426950408889634
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # scores live in base 2 inside the kernel
+_LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    """Launch configuration of the forward kernel (what the tuning table stores)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    loop_stages: int | None = None  # tl.range(num_stages=...) of the K/V loops; None keeps the launch default
+
+    def __str__(self) -> str:
+        extra = "" if self.loop_stages is None else f" loop_stages={self.loop_stages}"
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} "
+                f"num_stages={self.num_stages}{extra}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdProblem:
+    """Everything the kernel needs to know besides the tensors; all decided by the caller."""
+
+    softmax_scale: float
+    window_left: int  # -1: unbounded (causal is already folded in as window_right = 0)
+    window_right: int
+    bottom_right: bool  # query i sits at key position i + Nk - Nq (flash-attn) instead of i (PyTorch SDPA)
+    input_precision: str  # "ieee" | "tf32" for fp32 inputs; ignored by fp16/bf16 dots
+    pack_gqa: bool  # one program loads a whole GQA query group, so each K/V tile is read once per group
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, k_desc, v_desc, lo, hi,
+    key_pos, row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+    MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+        # scores in base 2: qk_scale already carries log2(e)
+        k = k_desc.load([start_n, 0])
+        qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
+        if MASKED:
+            s = qk * qk_scale
+            cols = start_n + offs_n
+            ok = (cols < seqlen_k)[None, :] & row_valid[:, None]
+            if RIGHT_BOUNDED:
+                ok &= cols[None, :] <= key_pos[:, None] + window_right
+            if LEFT_BOUNDED:
+                ok &= cols[None, :] >= key_pos[:, None] - window_left
+            if MASK_KIND != 0:
+                in_bounds = row_valid[:, None] & (cols < seqlen_k)[None, :]
+                mask_tile = tl.load(mask_rows[:, None] + cols[None, :].to(tl.int64) * stride_mn, mask=in_bounds, other=0)
+                if MASK_KIND == 1:  # MASK_BOOL
+                    ok &= mask_tile != 0
+                else:
+                    s += mask_tile.to(tl.float32) * _LOG2E
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_base[:, None])
+        elif SCALE_POSITIVE:
+            # max(qk)·scale is the max of the scaled row, and the scaling folds into one FMA per score (+4% at
+            # D=128 on an H200 against scaling the tile first, measured in bench/results/2026-11-29-fwd-fma.md)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_base = m_new
+            p = tl.math.exp2(qk * qk_scale - m_base[:, None])
+        else:
+            s = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_base = m_new
+            p = tl.math.exp2(s - m_base[:, None])
+        alpha = tl.math.exp2(m_i - m_base)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = v_desc.load([start_n, 0])
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# sequence lengths and window bounds vary per call: specializing on them (== 1, % 16) would only recompile
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+def prefill_fwd_kernel(
+    Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv,
+    stride_qb, stride_qn, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh, stride_ln,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    qk_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, PACK_GQA: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+):
+    # --- which rows this program owns: ROWS query positions of one head, or of a whole GQA group (packed)
+    ROWS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M
+    # last query tiles first: under causal masks they see the most keys, so the grid's tail is short work
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if PACK_GQA:
+        batch = pid_bh // num_heads_kv
+        head_kv = pid_bh % num_heads_kv
+        head_q = head_kv * GROUP
+    else:
+        batch = pid_bh // num_heads_q
+        head_q = pid_bh % num_heads_q
+        head_kv = head_q // GROUP
+    q_start64 = 0
+    k_start64 = 0
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q + batch)
+        seqlen_q = tl.load(cu_seqlens_q + batch + 1) - q_start
+        k_start = tl.load(cu_seqlens_k + batch)
+        seqlen_k = tl.load(cu_seqlens_k + batch + 1) - k_start
+        q_start64 = q_start.to(tl.int64)
+        k_start64 = k_start.to(tl.int64)
+    start_row = pid_m * ROWS
+    if start_row < seqlen_q:  # a program past this sequence's end has nothing to do
+        batch64 = batch.to(tl.int64)
+
+        # --- descriptors over this sequence only, so reads past its end are zero and writes past it are dropped
+        q_base = Q + batch64 * stride_qb + q_start64 * stride_qn
+        o_base = O + batch64 * stride_ob + q_start64 * stride_on
+        if PACK_GQA:
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                               strides=[stride_qn, stride_qh, 1], block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
+            o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                               strides=[stride_on, stride_oh, 1], block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
+            q = q_desc.load([start_row, head_q, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
+        else:
+            q_desc = tl.make_tensor_descriptor(q_base + head_q * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                               strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+            o_desc = tl.make_tensor_descriptor(o_base + head_q * stride_oh, shape=[seqlen_q, HEAD_DIM],
+                                               strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+            q = q_desc.load([start_row, 0])
+        # an empty K/V sequence still gets a 1-row descriptor (never read: its tile range below is empty)
+        k_desc = tl.make_tensor_descriptor(K + batch64 * stride_kb + k_start64 * stride_kn + head_kv * stride_kh,
+                                           shape=[tl.maximum(seqlen_k, 1), HEAD_DIM], strides=[stride_kn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(V + batch64 * stride_vb + k_start64 * stride_vn + head_kv * stride_vh,
+                                           shape=[tl.maximum(seqlen_k, 1), HEAD_DIM], strides=[stride_vn, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+
+        # --- per-row position (in key coordinates) and head
+        offs = tl.arange(0, BLOCK_M)
+        if PACK_GQA:
+            row = start_row + offs // GROUP
+            row_head = head_q + offs % GROUP
+        else:
+            row = start_row + offs
+            row_head = head_q + offs * 0
+        row_valid = row < seqlen_q
+        shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+        key_pos = row + shift
+        mask_rows = MASK + batch64 * stride_mb + row_head.to(tl.int64) * stride_mh + row.to(tl.int64) * stride_mm
+
+        # --- K/V tile ranges: [kv_lo, full_lo) and [full_hi, kv_hi) need per-element masks, [full_lo, full_hi) not
+        first_pos = start_row + shift
+        last_pos = tl.minimum(start_row + ROWS, seqlen_q) - 1 + shift
+        kv_lo = 0
+        kv_hi = seqlen_k
+        full_lo = 0
+        full_hi = seqlen_k
+        if LEFT_BOUNDED:
+            kv_lo = tl.maximum(first_pos - window_left, 0)
+            full_lo = tl.maximum(last_pos - window_left, 0)
+        if RIGHT_BOUNDED:  # kept >= 0: Triton's integer division truncates toward zero
+            kv_hi = tl.maximum(tl.minimum(last_pos + window_right + 1, seqlen_k), 0)
+            full_hi = tl.maximum(tl.minimum(first_pos + window_right + 1, seqlen_k), 0)
+        kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_lo), kv_hi)
+        if MASK_KIND != 0:
+            full_hi = full_lo  # a dense mask has to be read on every tile
+        full_hi = tl.maximum((full_hi // BLOCK_N) * BLOCK_N, full_lo)
+
+        # --- online softmax over the visible K/V tiles
+        qk_scale = qk_scale * _LOG2E
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_desc, v_desc, kv_lo, full_lo, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
+            qk_scale, window_left, window_right, BLOCK_N, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
+            qk_scale, window_left, window_right, BLOCK_N, False, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+        acc, l_i, m_i = _attend_tiles(
+            acc, l_i, m_i, q, k_desc, v_desc, full_hi, kv_hi, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
+            qk_scale, window_left, window_right, BLOCK_N, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+
+        # --- epilogue: rows that saw no key get output 0 and LSE -inf
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+        if PACK_GQA:
+            o_desc.store([start_row, head_q, 0], out.to(O.dtype.element_ty).reshape(ROWS, GROUP, HEAD_DIM_PAD))
+        else:
+            o_desc.store([start_row, 0], out.to(O.dtype.element_ty))
+        lse_ptrs = LSE + batch64 * stride_lb + row_head.to(tl.int64) * stride_lh + (q_start64 + row) * stride_ln
+        tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator() -> None:
+    """Device-side tensor descriptors live in global scratch memory that Triton asks the host to allocate."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET and not interpreted():
+        triton.set_allocator(_descriptor_scratch)
+        _ALLOCATOR_SET = True
+
+
+def head_dim_padded(head_dim: int) -> int:
+    """Register tile width: next power of two, at least 16 (the smallest tl.dot reduction size)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_prefill_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    problem: FwdProblem,
+    config: FwdConfig,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> None:
+    """Run the kernel with an explicit configuration; writes `out` and `lse` in place.
+
+    Layouts: q/out (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), lse (B, Hq, Nq); varlen: (total, H, D) and lse
+    (Hq, total_q) with int32 cu_seqlens. `attn_mask` (dense only) must already be broadcast to 4 dims
+    (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
+    aligned base and strides): the caller checks them and copies when they do not.
+    """
+    _ensure_allocator()
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        (_, hq, d), hkv = q.shape, k.shape[1]
+        seqlen_q, seqlen_k = 0, 0
+        strides_q = (0, q.stride(0), q.stride(1))
+        strides_k = (0, k.stride(0), k.stride(1))
+        strides_v = (0, v.stride(0), v.stride(1))
+        strides_o = (0, out.stride(0), out.stride(1))
+        strides_l = (0, lse.stride(0), lse.stride(1))
+    else:
+        batch, seqlen_q, hq, d = q.shape
+        seqlen_k, hkv = k.shape[1], k.shape[2]
+        max_seqlen_q = seqlen_q
+        strides_q = (q.stride(0), q.stride(1), q.stride(2))
+        strides_k = (k.stride(0), k.stride(1), k.stride(2))
+        strides_v = (v.stride(0), v.stride(1), v.stride(2))
+        strides_o = (out.stride(0), out.stride(1), out.stride(2))
+        strides_l = (lse.stride(0), lse.stride(1), lse.stride(2))
+    group = hq // hkv
+    if attn_mask is None:
+        mask_kind, mask_arg, strides_m = MASK_NONE, q, (0, 0, 0, 0)
+    else:
+        mask_kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_ADDITIVE
+        mask_arg = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        strides_m = attn_mask.stride()
+    rows = config.block_m // group if problem.pack_gqa else config.block_m
+    grid = (triton.cdiv(max_seqlen_q, rows), batch * (hkv if problem.pack_gqa else hq))
+    if grid[0] == 0 or grid[1] == 0:
+        return
+    dummy_cu = cu_seqlens_q if varlen else lse
+    prefill_fwd_kernel[grid](
+        q, k, v, out, lse, mask_arg, dummy_cu, cu_seqlens_k if varlen else lse,
+        seqlen_q, seqlen_k, hq, hkv,
+        *strides_q, *strides_k, *strides_v, *strides_o, *strides_l, *strides_m,
+        problem.softmax_scale, problem.window_left, problem.window_right,
+        HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        GROUP=group, PACK_GQA=problem.pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=problem.bottom_right,
+        LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
+        INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
+        SCALE_POSITIVE=problem.softmax_scale > 0, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
