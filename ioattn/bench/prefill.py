@@ -1,0 +1,588 @@
+"""`ioattn bench prefill`: ioattn's attention against every peer, side by side in one run.
+
+Peers on CUDA: torch SDPA forced (torch.nn.attention.sdpa_kernel) to FLASH_ATTENTION, EFFICIENT_ATTENTION and
+CUDNN_ATTENTION; FlexAttention compiled once per shape (dynamo is reset per shape: past its recompile limit it
+would silently run eagerly at ~10 TFLOP/s); naive attention unless its N×N scores exceed a memory budget.
+On CPU: ioattn (its torch backend under `auto`) against SDPA MATH and naive, in fp32, to check the harness.
+
+Each peer gets its preferred layout, made from the same values outside the timed region: ioattn (B, N, H, D),
+SDPA and Flex (B, H, N, D), all contiguous. Self-attention only (Nq = Nk), so top-left and bottom-right causal
+agree. Error: ‖out − ref‖/‖ref‖ against float64 `attention_ref` on a slice (last batch entry, the query heads
+of the last KV head, the last ≤ 1024 query rows: bottom-right alignment keeps those rows exact). `--backward`:
+the same peers' backward alone (`retain_graph`) and forward+backward; error is the worst of out, dq, dk, dv
+against float64 autograd on the last batch entry and KV group (all rows, in chunks); peak memory of
+forward+backward at N and 2N shows which backends grow linearly.
+
+The sweep is ordered so that the bar's rows (D 128 and 64, MHA) come first; `--budget-s` stops it between
+cases, and the JSON / markdown / PNG are written with whatever ran (the rest is listed as not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from ioattn.bench import harness
+from ioattn.bench.harness import Row
+from ioattn.reference import attention_ref, rel_error, visible
+
+SDPA_PEERS = {
+    "torch-flash": "FLASH_ATTENTION",
+    "torch-efficient": "EFFICIENT_ATTENTION",
+    "torch-cudnn": "CUDNN_ATTENTION",
+    "torch-math": "MATH",
+}
+BACKENDS = ("ioattn", *SDPA_PEERS, "flex", "naive")
+DEFAULT_BACKENDS = {
+    "cuda": ("ioattn", "torch-flash", "torch-efficient", "torch-cudnn", "flex", "naive"),
+    "cpu": ("ioattn", "torch-math", "naive"),
+}
+CASE_COLUMNS = [(key, key) for key in ("dtype", "B", "Hq", "Hkv", "N", "D", "causal")]
+ERROR_ROWS = 1024  # query rows compared against float64 in forward mode
+NAIVE_MEMORY_FRACTION = 0.5  # of the GPU's memory; naive attention is skipped past it
+CPU_NAIVE_BYTES = 2 * 2**30
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def group(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    def flops(self, pass_: str) -> float:
+        return harness.attention_flops(
+            self.batch, self.heads_q, self.seqlen, self.seqlen, self.head_dim, causal=self.causal, pass_=pass_
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "B": self.batch, "Hq": self.heads_q, "Hkv": self.heads_kv,
+                "N": self.seqlen, "D": self.head_dim, "causal": self.causal}
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return f"{self.dtype} B{self.batch} H{self.heads_q}/{self.heads_kv} N{self.seqlen} D{self.head_dim} {mask}"
+
+
+# --- the sweep ----------------------------------------------------------------------------------------------
+
+
+def _defaults(cuda: bool, quick: bool, backward: bool) -> dict[str, Any]:
+    if not cuda:
+        return dict(dims=[64], seqlens=[128, 256], tokens=512, model_dim=256, dtypes=["float32"],
+                    gqa=[1], warmup_ms=2.0, rep_ms=10.0) if quick else \
+            dict(dims=[64, 128], seqlens=[128, 256, 512], tokens=1024, model_dim=512, dtypes=["float32"],
+                 gqa=[1, 4], warmup_ms=5.0, rep_ms=50.0)
+    if quick:
+        return dict(dims=[128], seqlens=[1024, 4096], tokens=16384, model_dim=2048, dtypes=["bfloat16"],
+                    gqa=[1], warmup_ms=10.0, rep_ms=50.0)
+    # Backward compiles are slow (FlexAttention above all), so its default keeps the bar's dims and N >= 2k.
+    return dict(dims=[128, 64] if backward else [128, 64, 256],
+                seqlens=[2048, 4096, 8192, 16384] if backward else [512, 1024, 2048, 4096, 8192, 16384],
+                tokens=16384, model_dim=2048, dtypes=["bfloat16"], gqa=None, warmup_ms=10.0, rep_ms=50.0)
+
+
+def build_cases(dims, seqlens, causals, dtypes, gqa, tokens, model_dim) -> list[Case]:
+    """B·N = tokens and H·D = model_dim per case. `gqa` lists Hq/Hkv ratios; None means MHA everywhere plus
+    4:1 at D = 128. MHA comes first, so a time budget cuts GQA rows before the bar's rows."""
+    ratios = sorted({1, 4}) if gqa is None else list(dict.fromkeys(gqa))
+    cases = []
+    for ratio in ratios:
+        for dtype in dtypes:
+            for head_dim in dims:
+                if gqa is None and ratio != 1 and head_dim != 128:
+                    continue
+                heads_q = model_dim // head_dim
+                if heads_q == 0 or heads_q % ratio:
+                    continue
+                for causal in causals:
+                    for seqlen in seqlens:
+                        batch = max(1, tokens // seqlen)
+                        cases.append(Case(dtype, batch, heads_q, heads_q // ratio, seqlen, head_dim, causal))
+    return cases
+
+
+# --- backends: each returns a Runner or raises Skip ---------------------------------------------------------
+
+
+@dataclass
+class Runner:
+    forward: Callable[[], torch.Tensor]
+    leaves: tuple[torch.Tensor, ...]  # q, k, v as this backend takes them; gradients land here
+    heads_first: bool  # (B, H, N, D) rather than (B, N, H, D)
+    used: str  # short, for the table
+    context: Callable[[], ContextManager] = contextlib.nullcontext
+    explanation: str = ""  # ioattn.explain()'s full text, kept in the JSON
+
+    def to_bnhd(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2) if self.heads_first else t
+
+
+def _leaves(tensors, heads_first: bool, requires_grad: bool):
+    return tuple(
+        (t.transpose(1, 2).contiguous() if heads_first else t).detach().requires_grad_(requires_grad)
+        for t in tensors
+    )
+
+
+def _ioattn_api():
+    """(flash_attn_func, explain), imported at use: the kernels live in other modules of the package."""
+    import ioattn
+
+    return ioattn.flash_attn_func, ioattn.explain
+
+
+def _run_ioattn(case: Case, qkv, args) -> Runner:
+    try:
+        flash_attn_func, explain = _ioattn_api()
+    except (ImportError, AttributeError) as exc:
+        raise harness.Skip(f"unsupported: ioattn kernels not importable ({exc})") from exc
+    q, k, v = _leaves(qkv, False, args.backward)
+    kwargs = dict(causal=case.causal, backend=args.ioattn_backend)
+    plan = explain(q, k, v, **kwargs)
+    runner = Runner(lambda: flash_attn_func(q, k, v, **kwargs), (q, k, v), False, _describe_plan(plan))
+    runner.explanation = " ".join(str(plan).split())
+    return runner
+
+
+def _describe_plan(plan) -> str:
+    """Kernel and tiles, short enough for a table cell (the whole explanation goes to the JSON)."""
+    kernel = getattr(plan, "kernel", None)
+    if kernel is None:
+        return " ".join(str(plan).split())
+    tiles = getattr(plan, "config", None) or getattr(plan, "torch_tiles", None)
+    return f"{getattr(plan, 'backend', '')} {kernel.rsplit('.', 1)[-1]} {tiles}".strip()
+
+
+def _run_sdpa(name: str, case: Case, qkv, args) -> Runner:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, SDPA_PEERS[name], None)
+    if backend is None:
+        raise harness.Skip(f"unsupported: this torch has no SDPBackend.{SDPA_PEERS[name]}")
+    q, k, v = _leaves(qkv, True, args.backward)
+    gqa = case.group > 1
+
+    def forward():
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=gqa)
+
+    return Runner(forward, (q, k, v), True, f"SDPA {SDPA_PEERS[name]} (forced)", lambda: sdpa_kernel(backend))
+
+
+def _causal_mod(batch, head, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _run_flex(case: Case, qkv, args) -> Runner:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = _leaves(qkv, True, args.backward)
+    torch._dynamo.reset()  # a fresh compile per shape, never past dynamo's recompile limit (MEASURING.md)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if case.causal:
+        block_mask = create_block_mask(_causal_mod, None, None, case.seqlen, case.seqlen, device=q.device)
+    gqa = case.group > 1
+
+    def forward():
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+    used = "flex_attention, torch.compile(dynamic=False)" + (", causal block mask" if case.causal else "")
+    return Runner(forward, (q, k, v), True, used)
+
+
+def naive_bytes(case: Case, backward: bool) -> int:
+    """Scores, masked scores, fp32 probabilities and their cast: B·Hq·N²·(3·elem + 4); twice that with grads."""
+    elem = harness.parse_dtype(case.dtype).itemsize
+    per_pass = case.batch * case.heads_q * case.seqlen**2 * (3 * elem + 4)
+    return per_pass * (2 if backward else 1)
+
+
+def _memory_budget(device: str) -> int:
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(device).total_memory * NAIVE_MEMORY_FRACTION)
+    return CPU_NAIVE_BYTES
+
+
+def _run_naive(case: Case, qkv, args) -> Runner:
+    need, budget = naive_bytes(case, args.backward), _memory_budget(args.device)
+    if need > budget:
+        raise harness.Skip(
+            f"skipped: memory (N×N scores need ~{need / 2**30:.1f} GiB, budget {budget / 2**30:.1f} GiB)"
+        )
+    q, k, v = _leaves(qkv, True, args.backward)
+    hidden = ~visible(case.seqlen, case.seqlen, causal=True, device=q.device) if case.causal else None
+    scale = case.head_dim**-0.5
+
+    def forward():
+        keys, values = k, v
+        if case.group > 1:
+            keys, values = k.repeat_interleave(case.group, dim=1), v.repeat_interleave(case.group, dim=1)
+        scores = (q @ keys.transpose(-2, -1)) * scale
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
+
+    return Runner(forward, (q, k, v), True, "naive: matmul, fp32 softmax, matmul (N×N scores in memory)")
+
+
+def _runner(name: str, case: Case, qkv, args) -> Runner:
+    if name == "ioattn":
+        return _run_ioattn(case, qkv, args)
+    if name in SDPA_PEERS:
+        return _run_sdpa(name, case, qkv, args)
+    return {"flex": _run_flex, "naive": _run_naive}[name](case, qkv, args)
+
+
+# --- reference on a slice -----------------------------------------------------------------------------------
+
+
+def _q_slice(t: torch.Tensor, case: Case, rows: int | None = None) -> torch.Tensor:
+    """(B, N, Hq, D) -> the last batch entry, the last `rows` rows, the query heads of the last KV head."""
+    return t[-1:, -(rows or case.seqlen):, case.heads_q - case.group:]
+
+
+def _kv_slice(t: torch.Tensor) -> torch.Tensor:
+    return t[-1:, :, -1:]
+
+
+@dataclass
+class Reference:
+    out: torch.Tensor  # float64, (1, rows, group, D)
+    rows: int
+    grads: tuple[torch.Tensor, ...] | None = None  # float64 dq (1, N, group, D), dk, dv (1, N, 1, D)
+
+
+def forward_reference(case: Case, q, k, v) -> Reference:
+    rows = min(case.seqlen, ERROR_ROWS)
+    out, _ = attention_ref(_q_slice(q, case, rows), _kv_slice(k), _kv_slice(v), causal=case.causal)
+    return Reference(out, rows)
+
+
+def backward_reference(case: Case, q, k, v, dout) -> Reference:
+    """Float64 autograd on the slice, one chunk of query rows at a time (an N×N float64 matrix per head would
+    not fit at N = 16k); each chunk sees its rows of the causal visibility as a bool mask."""
+    q64, k64, v64 = (
+        s.detach().to(torch.float64).requires_grad_() for s in (_q_slice(q, case), _kv_slice(k), _kv_slice(v))
+    )
+    dout64 = _q_slice(dout, case).to(torch.float64)
+    allowed = visible(case.seqlen, case.seqlen, causal=case.causal, device=q.device)
+    chunk = max(1, 2**25 // (case.group * case.seqlen))  # ≈ 256 MiB of float64 scores per chunk
+    outs = []
+    for start in range(0, case.seqlen, chunk):
+        rows = slice(start, start + chunk)
+        out, _ = attention_ref(q64[:, rows], k64, v64, attn_mask=allowed[rows], differentiable=True)
+        out.backward(dout64[:, rows])
+        outs.append(out.detach())
+    return Reference(torch.cat(outs, dim=1), case.seqlen, (q64.grad, k64.grad, v64.grad))
+
+
+# --- one measurement ----------------------------------------------------------------------------------------
+
+
+def _measure_forward(runner: Runner, case: Case, ref: Reference, args, row: Row) -> None:
+    out = runner.forward()  # first call compiles / autotunes, outside the timed region
+    row.error = rel_error(_q_slice(runner.to_bnhd(out), case, ref.rows), ref.out)
+    del out
+    timing = harness.time_ms(runner.forward, args.device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    row.ms, row.rate, row.extra["reps"] = timing.ms, harness.tflops(case.flops("forward"), timing.ms), timing.reps
+    row.peak_mib = harness.peak_memory_mib(runner.forward, args.device)
+
+
+def _measure_backward(runner: Runner, case: Case, ref: Reference, dout: torch.Tensor, args, row: Row) -> None:
+    dout = dout.transpose(1, 2).contiguous() if runner.heads_first else dout
+    leaves, device, reps = runner.leaves, args.device, dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+
+    def forward_backward():
+        runner.forward().backward(dout)
+
+    out = runner.forward()
+    out.backward(dout)
+    got = [_q_slice(runner.to_bnhd(out), case), _q_slice(runner.to_bnhd(leaves[0].grad), case)]
+    got += [_kv_slice(runner.to_bnhd(t.grad)) for t in leaves[1:]]
+    errors = {f"error_{n}": rel_error(g, r) for n, g, r in zip(("out", "dq", "dk", "dv"), got, (ref.out, *ref.grads))}
+    row.extra.update(errors)
+    row.error = max(errors.values())
+    del out, got
+    for t in leaves:
+        t.grad = None
+
+    fwd = harness.time_ms(runner.forward, device, **reps)
+    both = harness.time_ms(forward_backward, device, grad_to_none=leaves, **reps)
+    out = runner.forward()
+    try:
+        bwd = harness.time_ms(lambda: out.backward(dout, retain_graph=True), device, grad_to_none=leaves, **reps)
+        bwd_ms, row.extra["reps"] = bwd.ms, bwd.reps
+        row.extra["backward_timing"] = "backward alone (retain_graph)"
+    except Exception:  # noqa: BLE001 — a graph that refuses a second backward only changes how it is timed
+        bwd_ms, row.extra["reps"] = both.ms - fwd.ms, both.reps
+        row.extra["backward_timing"] = "forward+backward minus forward"
+    del out
+    for t in leaves:
+        t.grad = None
+    row.ms, row.rate = bwd_ms, harness.tflops(case.flops("backward"), bwd_ms)
+    row.extra.update(
+        fwd_ms=fwd.ms, fwd_tflops=harness.tflops(case.flops("forward"), fwd.ms),
+        fwd_bwd_ms=both.ms, fwd_bwd_tflops=harness.tflops(case.flops("forward+backward"), both.ms),
+    )
+    row.peak_mib = harness.peak_memory_mib(forward_backward, device)
+
+
+def measure(name: str, case: Case, qkv, dout, ref: Reference, args, ceilings: dict) -> Row:
+    row = Row(case=case.as_dict(), backend=name)
+
+    def work():
+        runner = _runner(name, case, qkv, args)
+        row.used = runner.used
+        if runner.explanation:
+            row.extra["explain"] = runner.explanation
+        with runner.context():
+            if args.backward:
+                _measure_backward(runner, case, ref, dout, args, row)
+            else:
+                _measure_forward(runner, case, ref, args, row)
+
+    row.status = harness.guarded(work, ours=name == "ioattn")
+    if row.status != "ok":
+        row.ms = row.rate = row.peak_mib = row.error = None
+    elif row.rate is not None:
+        row.ceiling_pct = 100 * row.rate / ceilings["matmul_tflops"][case.dtype]
+    return row
+
+
+def _random_inputs(case: Case, device: str):
+    dtype = harness.parse_dtype(case.dtype)
+    shape_q = (case.batch, case.seqlen, case.heads_q, case.head_dim)
+    shape_kv = (case.batch, case.seqlen, case.heads_kv, case.head_dim)
+    qkv = tuple(torch.randn(s, dtype=dtype, device=device) for s in (shape_q, shape_kv, shape_kv))
+    return qkv, torch.randn(shape_q, dtype=dtype, device=device)
+
+
+def memory_growth(case: Case, backends, args) -> list[dict[str, Any]]:
+    """Peak memory of forward+backward at N and 2N (same B, H, D) per backend: a ratio near 2 is linear in N,
+    near 4 quadratic. Only peaks, no timing; CUDA only (the CPU allocator keeps no peak)."""
+    results = []
+    for name in backends:
+        entry: dict[str, Any] = {"backend": name}
+        for scale in (1, 2):
+            sized = replace(case, seqlen=case.seqlen * scale)
+            qkv, dout = _random_inputs(sized, args.device)
+
+            def work():
+                runner = _runner(name, sized, qkv, args)
+                grad_out = dout.transpose(1, 2).contiguous() if runner.heads_first else dout
+                with runner.context():
+                    runner.forward().backward(grad_out)  # compile and autotune first
+                    for t in runner.leaves:
+                        t.grad = None
+                    entry[f"peak_mib_{scale}n"] = harness.peak_memory_mib(
+                        lambda: runner.forward().backward(grad_out), args.device
+                    )
+
+            status = harness.guarded(work, ours=name == "ioattn")
+            if status != "ok":
+                entry[f"status_{scale}n"] = status
+            del qkv, dout
+        results.append(entry)
+    return results
+
+
+# --- report -------------------------------------------------------------------------------------------------
+
+
+def render_markdown(meta: dict[str, Any], rows: list[Row], growth: list[dict[str, Any]], backends) -> str:
+    backward = meta["settings"]["mode"] == "backward"
+    disclosure = meta["disclosure"]
+    where = disclosure.get("gpu") if disclosure.get("gpu") != "none" else f"CPU ({disclosure['cpu']})"
+    unit = "backward TFLOP/s" if backward else "TFLOP/s"
+    extra = []
+    if backward:
+        extra = [("fwd TFLOP/s", "fwd_tflops"), ("fwd+bwd TFLOP/s", "fwd_bwd_tflops"), ("fwd+bwd ms", "fwd_bwd_ms")]
+    parts = [
+        f"# ioattn bench prefill — {meta['settings']['mode']}, {where}, {disclosure['date_utc']} UTC",
+        "## Disclosure", harness.disclosure_markdown(meta),
+        f"## Results ({unit}; FlashAttention FLOP convention, % of the bf16/fp16/fp32 matmul ceiling of this run)",
+        harness.rows_table(rows, CASE_COLUMNS, unit, extra),
+    ]
+    peers = [b for b in backends if b != "ioattn"]
+    if "ioattn" in backends and peers:
+        parts += [f"## ioattn / peer ({unit}, same run; > 1 means ioattn is faster)",
+                  harness.ratio_table(rows, CASE_COLUMNS, "ioattn", peers)]
+    if growth:
+        n = meta["settings"]["memory_growth_case"]
+        body = []
+        for entry in growth:
+            one, two = entry.get("peak_mib_1n"), entry.get("peak_mib_2n")
+            ratio = f"{two / one:.2f}" if one and two else entry.get("status_2n") or entry.get("status_1n")
+            body.append([entry["backend"], one, two, ratio])
+        parts += [f"## Peak memory of forward+backward at N and 2N ({n}; ≈2 linear, ≈4 quadratic)",
+                  harness.markdown_table(["backend", "peak MiB at N", "peak MiB at 2N", "2N / N"], body)]
+    not_run = meta["settings"].get("not_run")
+    if not_run:
+        parts += ["## Not run (time budget)", "\n".join(f"- {label}" for label in not_run)]
+    return "\n\n".join(parts) + "\n"
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _bools(text: str) -> list[bool]:
+    names = {"yes": True, "true": True, "1": True, "causal": True,
+             "no": False, "false": False, "0": False, "full": False}
+    try:
+        return [names[x.strip().lower()] for x in text.split(",") if x.strip()]
+    except KeyError as exc:
+        raise argparse.ArgumentTypeError(f"--causal takes a list of yes/no, got {text!r}") from exc
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ioattn bench prefill", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a handful of small rows (CPU: fp32 through the torch backend)")
+    p.add_argument("--backward", action="store_true",
+                   help="time backward and forward+backward; gradients' error; peak memory at N and 2N")
+    p.add_argument("--dims", type=_ints, help="head dims, e.g. 64,128")
+    p.add_argument("--seqlens", type=_ints, help="sequence lengths N, e.g. 2048,4096")
+    p.add_argument("--causal", type=_bools, default=[False, True], help="no,yes (default both)")
+    p.add_argument("--gqa", type=_ints, help="Hq/Hkv ratios (default: 1, and 4 at D=128)")
+    p.add_argument("--dtype", type=lambda t: [harness.dtype_name(harness.parse_dtype(x)) for x in t.split(",")],
+                   help="bfloat16 (CUDA default), float16, float32 (CPU default)")
+    p.add_argument("--backends", type=_names, help=f"any of {', '.join(BACKENDS)}")
+    p.add_argument("--tokens", type=int, help="B·N per case (default 16384 on CUDA)")
+    p.add_argument("--model-dim", type=int, help="H·D per case (default 2048 on CUDA)")
+    p.add_argument("--ioattn-backend", default="auto", choices=["auto", "triton", "torch"])
+    p.add_argument("--warmup-ms", type=float)
+    p.add_argument("--rep-ms", type=float)
+    p.add_argument("--budget-s", type=float, default=390.0, help="stop starting new cases after this many seconds")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--out", help="directory for <date>-prefill[-backward]-<device>.{json,md,png}")
+    p.add_argument("--json", help="write rows and disclosure as JSON here")
+    p.add_argument("--md", help="write the markdown report here")
+    p.add_argument("--plot", help="write a PNG of TFLOP/s against N per backend here")
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    for key, value in _defaults(cuda, args.quick, args.backward).items():
+        name = {"dtypes": "dtype"}.get(key, key)
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.backends = args.backends or list(DEFAULT_BACKENDS["cuda" if cuda else "cpu"])
+    return args
+
+
+def _progress(index: int, total: int, case: Case, row: Row, started: float) -> None:
+    if row.status == "ok":
+        result = f"{row.ms:9.3f} ms {row.rate:8.2f} TFLOP/s  err {row.error:.1e}  {row.used}"
+    else:
+        result = row.status
+    print(f"[{index}/{total}] {case.label():38s} {row.backend:16s} {result}  ({time.monotonic() - started:.0f} s)",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    args = parse_args(argv)
+    started = time.monotonic()
+    cases = build_cases(args.dims, args.seqlens, args.causal, args.dtype, args.gqa, args.tokens, args.model_dim)
+    if not cases:
+        raise SystemExit("ioattn bench prefill: no cases (--model-dim must be a multiple of D·gqa for some D)")
+    mode = "backward" if args.backward else "forward"
+    print(f"ioattn bench prefill: {mode}, {len(cases)} cases × {len(args.backends)} backends on {args.device}",
+          flush=True)
+    meta: dict[str, Any] = {
+        "disclosure": harness.collect_disclosure(args.device, " ".join(["ioattn bench prefill", *argv])),
+        "ceilings": harness.measure_ceilings(args.device, [harness.parse_dtype(d) for d in args.dtype]),
+        "settings": {
+            "mode": mode, "backends": args.backends, "ioattn_backend": args.ioattn_backend,
+            "tokens_per_case (B·N)": args.tokens, "model_dim (H·D)": args.model_dim,
+            "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "budget_s": args.budget_s,
+            "layouts": "ioattn (B, N, H, D); SDPA and Flex (B, H, N, D); contiguous, made outside timing",
+            "flops": "forward 4·B·Hq·N²·D, halved when causal; backward 2.5× forward",
+            "error": "worst of out/dq/dk/dv vs float64 autograd on the last batch entry and KV group"
+            if args.backward
+            else f"out vs float64 attention_ref on the last batch entry and KV group, last ≤ {ERROR_ROWS} rows",
+        },
+    }
+    print(harness.disclosure_markdown(meta), flush=True)
+
+    rows: list[Row] = []
+    for index, case in enumerate(cases, 1):
+        if time.monotonic() - started > args.budget_s:
+            meta["settings"]["not_run"] = [c.label() for c in cases[index - 1:]]
+            print(f"time budget of {args.budget_s:.0f} s spent: {len(cases) - index + 1} cases not run", flush=True)
+            break
+        qkv, dout = _random_inputs(case, args.device)
+        if args.backward:
+            ref = backward_reference(case, *qkv, dout)
+        else:
+            ref = forward_reference(case, *qkv)
+        for name in args.backends:
+            row = measure(name, case, qkv, dout, ref, args, meta["ceilings"])
+            row.extra["seconds"] = round(time.monotonic() - started, 1)
+            rows.append(row)
+            _progress(index, len(cases), case, row, started)
+        del qkv, dout, ref
+
+    growth = []
+    if args.backward and args.device.startswith("cuda") and time.monotonic() - started < args.budget_s:
+        # N = 4k and 8k (at most): big enough that naive attention's quadratic growth is plain, small enough
+        # that it fits the memory budget at 2N.
+        seqlen = min(max(c.seqlen for c in cases) // 2, 4096)
+        heads = args.model_dim // args.dims[0]
+        probe = Case(args.dtype[0], 1, heads, heads, max(seqlen, 1), args.dims[0], args.causal[-1])
+        meta["settings"]["memory_growth_case"] = f"{probe.label()} and N{2 * probe.seqlen}"
+        growth = memory_growth(probe, args.backends, args)
+        meta["memory_growth"] = growth
+
+    meta["settings"]["wall_s"] = round(time.monotonic() - started, 1)
+    disclosure = meta["disclosure"]
+    meta["plot"] = {
+        "x_key": "N",
+        "facet_keys": ["D", "causal", "Hkv"] if len(args.dtype) == 1 else ["dtype", "D", "causal", "Hkv"],
+        "ylabel": "backward TFLOP/s" if args.backward else "TFLOP/s",
+        "title": f"ioattn bench prefill ({mode}) — {disclosure['gpu']}, {disclosure['date_utc']} UTC",
+    }
+    report = render_markdown(meta, rows, growth, args.backends)
+    print(report, flush=True)
+    paths = harness.dated_paths(args.out, "prefill" + ("-backward" if args.backward else ""),
+                                harness.device_tag(disclosure)) if args.out else {}
+    json_path, md_path, png_path = (args.json or paths.get("json"), args.md or paths.get("md"),
+                                    args.plot or paths.get("png"))
+    if json_path:
+        harness.write_json(json_path, meta, rows)
+        print(f"wrote {json_path}", flush=True)
+    if md_path:
+        harness.write_text(md_path, report)
+        print(f"wrote {md_path}", flush=True)
+    if png_path:
+        try:
+            from ioattn.bench.plot import plot_rates
+
+            plot_rates(rows, png_path, **meta["plot"])
+            print(f"wrote {png_path}", flush=True)
+        except ImportError as exc:  # the GPU machine may lack matplotlib: the JSON keeps what the plot needs
+            print(f"no PNG ({exc}); draw it elsewhere: python -m ioattn.bench.plot {json_path or 'RESULT.json'}")
+    return 0
