@@ -1,0 +1,466 @@
+"""`ioattn bench decode`: decode attention over a paged KV cache against torch SDPA and FlexAttention, one run.
+
+Per case (B sequences of L cached tokens, one new query token each, Hq/Hkv heads, D): ioattn's split-KV kernel
+over a block-16 pool in shuffled order (`ioattn-paged`), the same kernel over the same bytes read as one
+contiguous run per sequence (identity block table, block 256: `ioattn-contiguous`), torch SDPA forced to FLASH,
+EFFICIENT and CUDNN (q (B, Hq, 1, D), `enable_gqa=True`) and FlexAttention (compiled per shape, dynamo reset per
+shape), the last two on a contiguous (B, H, L, D) copy made outside timing. Rate: bytes of K and V read per
+second (2·B·L·Hkv·D·itemsize / time) and its share of the device-copy ceiling measured in the same run.
+Each backend is captured in a CUDA graph when it allows it (column `used`), so µs-scale rows time the GPU, not
+Python's launch overhead. Error: ‖out − ref‖/‖ref‖ on the first sequence against float64 `attention_ref`.
+
+Chunked prefill (`--prefill`, on by default on CUDA): 4k new tokens appended to a 4k paged context (Nq 4k,
+Nk 8k, causal bottom-right) through `ioattn.paged_attention`, against the dense forward
+`ioattn.flash_attn_func` at the same shape; TFLOP/s by FlashAttention's count (4·B·Hq·Nq·Nk·D).
+
+`--tune` also times every `candidate_configs` entry and a range of split counts for `ioattn-paged`, and
+records the fastest in the row's `extra` (for setting the defaults in ioattn/ops/paged.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ioattn.bench import harness
+from ioattn.bench.harness import Row
+from ioattn.ops.paged import candidate_configs, paged_attention, paged_workspace, plan_paged_attention
+from ioattn.reference import TOLERANCE, attention_ref, rel_error
+
+SDPA_PEERS = {"torch-flash": "FLASH_ATTENTION", "torch-efficient": "EFFICIENT_ATTENTION",
+              "torch-cudnn": "CUDNN_ATTENTION"}
+BACKENDS = ("ioattn-paged", "ioattn-contiguous", *SDPA_PEERS, "flex")
+PAGED_BLOCK = 16
+CONTIGUOUS_BLOCK = 256  # the largest block the kernel takes: one table entry per 256 contiguous tokens
+TUNE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+CASE_COLUMNS = [("B", "B"), ("L", "L"), ("Hq/Hkv", "heads"), ("D", "D")]
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen: int
+    head_dim: int
+
+    def label(self) -> str:
+        return f"B{self.batch} L{self.seqlen} {self.heads_q}/{self.heads_kv} D{self.head_dim} {self.dtype}"
+
+    def columns(self) -> dict[str, Any]:
+        return {"B": self.batch, "L": self.seqlen, "heads": f"{self.heads_q}/{self.heads_kv}", "D": self.head_dim,
+                "dtype": self.dtype}
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.batch * self.seqlen * self.heads_kv * self.head_dim * harness.parse_dtype(self.dtype).itemsize
+
+
+def build_cases(args) -> list[Case]:
+    cases = [Case(args.dtype, b, hq, hkv, n, args.head_dim)
+             for hq, hkv in args.heads for n in args.seqlens for b in args.batches]
+    cases += [Case(args.dtype, 1, hq, hkv, n, args.head_dim) for hq, hkv in args.heads for n in args.long_seqlens]
+    return cases
+
+
+# --- inputs -------------------------------------------------------------------------------------------------
+
+
+def _block_table(batch: int, blocks_per_seq: int, shuffled: bool, device) -> torch.Tensor:
+    order = torch.randperm(batch * blocks_per_seq) if shuffled else torch.arange(batch * blocks_per_seq)
+    return order.view(batch, blocks_per_seq).to(torch.int32).to(device)
+
+
+def _contiguous_block(seqlen: int) -> int:
+    return math.gcd(seqlen, CONTIGUOUS_BLOCK)
+
+
+def _graphed(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str]:
+    """Capture `fn` in a CUDA graph when possible (µs-scale kernels would otherwise time Python); else eager."""
+    if not device.startswith("cuda"):
+        return fn, "eager"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, "CUDA graph"
+    except Exception as exc:  # noqa: BLE001 — any capture failure means: time it eagerly, and say so
+        torch.cuda.synchronize()
+        return fn, f"eager ({type(exc).__name__} in graph capture)"
+
+
+# --- backends -----------------------------------------------------------------------------------------------
+
+
+def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0):
+    blocks = case.seqlen // block
+    k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
+    v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
+    table = _block_table(case.batch, blocks, shuffled, q.device)
+    if shuffled:  # the same logical cache, its blocks scattered through the pool
+        inverse = torch.empty_like(table.view(-1))
+        inverse[table.view(-1).long()] = torch.arange(table.numel(), dtype=torch.int32, device=q.device)
+        k_cache.copy_(k_cache[inverse.long()])
+        v_cache.copy_(v_cache[inverse.long()])
+    plan = plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=num_splits, config=config)
+    workspace = paged_workspace(case.batch, case.heads_q, case.head_dim, max_splits=plan.num_splits, device=q.device)
+    out = torch.empty_like(q)
+
+    def forward():
+        return paged_attention(q, k_cache, v_cache, table, lens, out=out, workspace=workspace,
+                               num_splits=plan.num_splits, config=plan.config)
+
+    def restore():  # undo the scatter so later backends see the contiguous cache again
+        if shuffled:
+            k_cache.copy_(k_cache[table.view(-1).long()])
+            v_cache.copy_(v_cache[table.view(-1).long()])
+
+    return forward, out, plan, restore
+
+
+def _sdpa_runner(name: str, q4, kt, vt):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, SDPA_PEERS[name])
+
+    def forward():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q4, kt, vt, enable_gqa=True)
+
+    return forward
+
+
+def _flex_runner(q4, kt, vt):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()  # a fresh compile per shape, never past dynamo's recompile limit (MEASURING.md)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(q4, kt, vt, enable_gqa=True)
+
+
+def _measure(fn, device: str, args) -> tuple[float, str]:
+    graphed, how = _graphed(fn, device)
+    return harness.time_ms(graphed, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).ms, how
+
+
+def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
+    device, dtype = args.device, harness.parse_dtype(case.dtype)
+    rows: list[Row] = []
+    copy_tbps = ceilings.get("copy_tbps")
+    if case.kv_bytes > args.max_kv_gib * 2**30:
+        return [Row(case.columns(), name, status=f"skipped: K/V needs {case.kv_bytes / 2**30:.0f} GiB > "
+                    f"--max-kv-gib {args.max_kv_gib}") for name in args.backends]
+    shape = (case.batch, case.seqlen, case.heads_kv, case.head_dim)
+    k = torch.randn(shape, dtype=dtype, device=device)
+    v = torch.randn(shape, dtype=dtype, device=device)
+    q = torch.randn(case.batch, case.heads_q, case.head_dim, dtype=dtype, device=device)
+    lens = torch.full((case.batch,), case.seqlen, dtype=torch.int32, device=device)
+    ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
+    ref = ref[0, 0]
+
+    def add(name, fn, out_of: Callable[[], torch.Tensor], used: str, extra=None):
+        result: dict[str, Any] = {}
+
+        def work():
+            ms, how = _measure(fn, device, args)
+            result.update(ms=ms, how=how, error=rel_error(out_of(), ref))
+
+        status = harness.guarded(work, ours=name.startswith("ioattn"))
+        row = Row(case.columns(), name, status=status, extra=extra or {})
+        if status == "ok":
+            row.ms, row.error = result["ms"], result["error"]
+            row.used = f"{used}, {result['how']}"
+            row.rate = case.kv_bytes / (row.ms * 1e-3) / 1e12
+            row.ceiling_pct = 100.0 * row.rate / copy_tbps if copy_tbps else None
+        rows.append(row)
+
+    for name, block, shuffled in (("ioattn-paged", PAGED_BLOCK, True),
+                                  ("ioattn-contiguous", _contiguous_block(case.seqlen), False)):
+        if name in args.backends:
+            _ioattn_row(name, case, (q, k, v, lens), ref, block, shuffled, add, args)
+
+    peers = [n for n in args.backends if not n.startswith("ioattn")]
+    if peers:
+        q4 = q.view(case.batch, case.heads_q, 1, case.head_dim)
+        kt = k.transpose(1, 2).contiguous()
+        del k  # one layout at a time: the largest cases fill most of the GPU
+        vt = v.transpose(1, 2).contiguous()
+        del v
+        for name in peers:
+            if not device.startswith("cuda"):
+                rows.append(Row(case.columns(), name, status="skipped: CUDA only"))
+                continue
+            holder: dict[str, torch.Tensor] = {}
+            fn = _flex_runner(q4, kt, vt) if name == "flex" else _sdpa_runner(name, q4, kt, vt)
+
+            def keep(fn=fn, holder=holder):
+                holder["out"] = fn()
+                return holder["out"]
+
+            used = "flex_attention, torch.compile(dynamic=False)" if name == "flex" else f"SDPA {SDPA_PEERS[name]} (forced)"
+            add(name, keep, lambda holder=holder: holder["out"][0, :, 0], used)
+    return rows
+
+
+def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, add, args) -> None:
+    forward, out, plan, restore = _ioattn_runner(case, *inputs, block=block, shuffled=shuffled)
+    extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block}
+    add(name, forward, lambda: out[0], f"paged_attention block {block}, {plan.num_splits} splits", extra)
+    restore()
+    if args.tune and name == "ioattn-paged":
+        extra["tuning"] = tune(case, *inputs, ref, args)
+
+
+def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
+    """Time each (config, splits) trial; `run_trial` returns (ms, error, plan). The five fastest correct trials
+    come first; a trial that misses the reference or fails is listed apart under "wrong", never ranked."""
+    results, wrong = [], []
+    for config, splits in trials:
+        entry: dict[str, Any] = {"config": config and dataclasses.asdict(config), "splits": splits}
+
+        def work(config=config, splits=splits, entry=entry):
+            ms, error, plan = run_trial(config, splits)
+            entry.update(config=dataclasses.asdict(plan.config), splits=plan.num_splits, us=round(ms * 1e3, 2),
+                         error=error)
+
+        entry["status"] = harness.guarded(work, ours=True)
+        ok = entry["status"] == "ok" and entry["error"] < tolerance
+        (results if ok else wrong).append(entry)
+    ranked = sorted(results, key=lambda r: r["us"])[:5]
+    return ranked + ([{"wrong": wrong}] if wrong else [])
+
+
+def tune(case: Case, q, k, v, lens, ref, args) -> list[dict[str, Any]]:
+    """Every decode candidate config (heuristic splits), then every split count in TUNE_SPLITS (default config)."""
+    def run_trial(config, splits):
+        forward, out, plan, restore = _ioattn_runner(case, q, k, v, lens, block=PAGED_BLOCK, shuffled=True,
+                                                     config=config, num_splits=splits)
+        try:
+            ms, _ = _measure(forward, args.device, args)
+            return ms, rel_error(out[0], ref), plan
+        finally:
+            restore()
+
+    trials = [(c, 0) for c in candidate_configs(decode=True, head_dim=case.head_dim)]
+    trials += [(None, s) for s in TUNE_SPLITS]
+    return _rank(trials, run_trial, TOLERANCE[q.dtype])
+
+
+def run_prefill(args, ceilings) -> list[Row]:
+    """4k new tokens on a 4k paged context vs the dense forward at Nq 4k, Nk 8k."""
+    import ioattn
+
+    device, dtype = args.device, harness.parse_dtype(args.dtype)
+    hq, hkv = args.heads[0]
+    new, context, d = args.prefill_tokens, args.prefill_tokens, args.head_dim
+    total = new + context
+    case = {"B": 1, "L": total, "heads": f"{hq}/{hkv}", "D": d, "dtype": args.dtype, "Nq": new}
+    q = torch.randn(1, new, hq, d, dtype=dtype, device=device)
+    k = torch.randn(1, total, hkv, d, dtype=dtype, device=device)
+    v = torch.randn(1, total, hkv, d, dtype=dtype, device=device)
+    rows_ref = min(new, 256)
+    ref, _ = attention_ref(q[:, -rows_ref:], k, v, causal=True)
+    flops = harness.attention_flops(1, hq, new, total, d, causal=True)
+    blocks = total // PAGED_BLOCK
+    table = _block_table(1, blocks, True, device)
+    k_cache = torch.empty(blocks, PAGED_BLOCK, hkv, d, dtype=dtype, device=device)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[table[0].long()] = k[0].view(blocks, PAGED_BLOCK, hkv, d)
+    v_cache[table[0].long()] = v[0].view(blocks, PAGED_BLOCK, hkv, d)
+    cu = torch.tensor([0, new], dtype=torch.int32, device=device)
+    lens = torch.tensor([total], dtype=torch.int32, device=device)
+    packed_q = q[0]
+    plan = plan_paged_attention(packed_q, k_cache, table, decode=False, max_seqlen_q=new)
+    runners = {
+        "ioattn-paged-prefill": (lambda: paged_attention(packed_q, k_cache, v_cache, table, lens, cu_seqlens_q=cu,
+                                                          max_seqlen_q=new), lambda o: o[None, -rows_ref:],
+                                 f"paged_attention block {PAGED_BLOCK}, {plan.num_splits} splits"),
+        "ioattn-dense": (lambda: ioattn.flash_attn_func(q, k, v, causal=True), lambda o: o[:, -rows_ref:],
+                         "flash_attn_func (dense forward)"),
+    }
+    rows = []
+    tuning = None
+    if args.tune:
+        def run_trial(config, splits):
+            def forward():
+                return paged_attention(packed_q, k_cache, v_cache, table, lens, cu_seqlens_q=cu, max_seqlen_q=new,
+                                       num_splits=splits, config=config)
+            ms, _ = _measure(forward, device, args)
+            trial_plan = plan_paged_attention(packed_q, k_cache, table, decode=False, max_seqlen_q=new,
+                                              num_splits=splits, config=config)
+            return ms, rel_error(forward()[None, -rows_ref:], ref), trial_plan
+
+        tuning = _rank([(c, 1) for c in candidate_configs(decode=False, head_dim=d)], run_trial, TOLERANCE[dtype])
+    for name, (fn, pick, used) in runners.items():
+        result: dict[str, Any] = {}
+
+        def work(fn=fn, pick=pick):
+            ms, how = _measure(fn, device, args)
+            result.update(ms=ms, how=how, error=rel_error(pick(fn()), ref))
+
+        status = harness.guarded(work, ours=True)
+        extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "tuning": tuning} \
+            if "paged" in name else {}
+        row = Row(case, name, status=status, extra=extra)
+        if status == "ok":
+            row.ms, row.error, row.used = result["ms"], result["error"], f"{used}, {result['how']}"
+            row.rate = harness.tflops(flops, row.ms)
+        rows.append(row)
+    return rows
+
+
+# --- report -------------------------------------------------------------------------------------------------
+
+
+def render_markdown(meta: dict[str, Any], rows: list[Row], prefill: list[Row]) -> str:
+    body = []
+    for row in rows:
+        cells = [row.case[k] for _, k in CASE_COLUMNS] + [row.backend]
+        if row.status == "ok":
+            cells += [row.ms * 1e3, row.rate, row.ceiling_pct, row.extra.get("splits"), row.error, row.used]
+        else:
+            cells += [None, None, None, None, None, row.status]
+        body.append(cells)
+    parts = [
+        "# ioattn bench decode", "", harness.disclosure_markdown(meta), "",
+        harness.markdown_table([h for h, _ in CASE_COLUMNS] + ["backend", "µs", "TB/s K+V", "% copy", "splits",
+                                                                "error", "used"], body), "",
+        "Ratios of K/V bandwidth (ours / peer):", "",
+        harness.ratio_table(rows, CASE_COLUMNS, "ioattn-paged", ["ioattn-contiguous", "torch-cudnn", "torch-flash",
+                                                                 "flex"]),
+    ]
+    if prefill:
+        parts += ["", "Chunked prefill (TFLOP/s, 4·B·Hq·Nq·Nk·D):", "",
+                  harness.rows_table(prefill, [("Nq", "Nq"), ("Nk", "L"), ("Hq/Hkv", "heads"), ("D", "D")], "TFLOP/s")]
+        if all(r.status == "ok" for r in prefill):
+            parts += ["", f"paged / dense: {prefill[0].rate / prefill[1].rate:.2f}× (bar: >= 0.9×)"]
+    tuned = [r for r in rows + prefill if r.extra.get("tuning")]
+    if tuned:
+        parts += ["", "Tuning (ioattn-paged, fastest first):", ""]
+        parts += [f"- {r.backend} B{r.case['B']} L{r.case['L']} {r.case['heads']}: {r.extra['tuning'][:3]}"
+                  for r in tuned]
+    return "\n".join(parts) + "\n"
+
+
+# --- command line -------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _heads(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(h) for h in pair.split("/")) for pair in text.split(",") if pair.strip()]
+
+
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
+    return names
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="ioattn bench decode", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a few small rows (runs on the CPU too)")
+    p.add_argument("--batches", type=_ints, help="B values (default 1,8,64,256)")
+    p.add_argument("--seqlens", type=_ints, help="L values (default 1024,4096,16384,32768)")
+    p.add_argument("--long-seqlens", type=_ints, help="extra L values at B=1 (default 131072)")
+    p.add_argument("--heads", type=_heads, help="Hq/Hkv pairs (default 32/8,32/32)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", help="bfloat16 (CUDA default) / float16 / float32 (CPU default)")
+    p.add_argument("--backends", type=_names, help=f"any of {', '.join(BACKENDS)}")
+    p.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="chunked-prefill rows (default: on with CUDA)")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="new tokens = cached tokens (default 4096)")
+    p.add_argument("--tune", action="store_true", help="time candidate configs and split counts for ioattn-paged")
+    p.add_argument("--max-kv-gib", type=float, default=60.0, help="skip cases whose K+V exceed this")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
+    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--out", help="directory for <date>-decode-<device>.{json,md}")
+    p.add_argument("--json", help="write rows and disclosure as JSON here")
+    p.add_argument("--md", help="write the markdown report here")
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    if args.quick:
+        defaults = dict(batches=[1, 8], seqlens=[1024, 4096], long_seqlens=[], heads=[(32, 8)]) if cuda else \
+            dict(batches=[1, 2], seqlens=[64, 256], long_seqlens=[], heads=[(4, 2)])
+    else:
+        defaults = dict(batches=[1, 8, 64, 256], seqlens=[1024, 4096, 16384, 32768], long_seqlens=[131072],
+                        heads=[(32, 8), (32, 32)])
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not cuda and args.quick and args.head_dim == 128:
+        args.head_dim = 64
+    args.dtype = harness.dtype_name(harness.parse_dtype(args.dtype or ("bfloat16" if cuda else "float32")))
+    args.backends = args.backends or list(BACKENDS)
+    args.prefill = cuda if args.prefill is None else args.prefill
+    if not cuda and args.quick:
+        args.prefill_tokens = min(args.prefill_tokens, 64)
+        args.warmup_ms, args.rep_ms = min(args.warmup_ms, 1.0), min(args.rep_ms, 1.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(argv or [])
+    args = parse_args(argv)
+    started = time.monotonic()
+    cases = build_cases(args)
+    print(f"ioattn bench decode: {len(cases)} cases × {len(args.backends)} backends on {args.device}", flush=True)
+    meta: dict[str, Any] = {
+        "disclosure": harness.collect_disclosure(args.device, " ".join(["ioattn bench decode", *argv])),
+        "ceilings": harness.measure_ceilings(args.device, [harness.parse_dtype(args.dtype)]),
+        "settings": {
+            "backends": args.backends, "dtype": args.dtype, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+            "paged": f"block {PAGED_BLOCK}, blocks shuffled through the pool; contiguous: identity table, "
+                     f"block {CONTIGUOUS_BLOCK}; SDPA/Flex: contiguous (B, H, L, D) copy",
+            "rate": "bytes of K and V read per second, 2·B·L·Hkv·D·itemsize / time",
+            "error": "first sequence vs float64 attention_ref",
+            "graphs": "each backend captured in a CUDA graph when it allows (see `used`)",
+        },
+    }
+    print(harness.disclosure_markdown(meta), flush=True)
+    rows: list[Row] = []
+    for index, case in enumerate(cases, 1):
+        if time.monotonic() - started > args.budget_s:
+            meta["settings"]["not_run"] = [c.label() for c in cases[index - 1:]]
+            print(f"time budget of {args.budget_s:.0f} s spent: {len(cases) - index + 1} cases not run", flush=True)
+            break
+        for row in run_case(case, args, meta["ceilings"]):
+            rows.append(row)
+            result = (f"{row.ms * 1e3:10.1f} µs {row.rate:6.2f} TB/s {row.ceiling_pct or 0:5.1f}% "
+                      f"splits {row.extra.get('splits', '-')} err {row.error:.1e}" if row.status == "ok" else row.status)
+            print(f"[{index}/{len(cases)}] {case.label():32s} {row.backend:18s} {result}", flush=True)
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    prefill = run_prefill(args, meta["ceilings"]) if args.prefill else []
+    report = render_markdown(meta, rows, prefill)
+    print(report, flush=True)
+    paths = harness.dated_paths(args.out, "decode", harness.device_tag(meta["disclosure"])) if args.out else {}
+    json_path, md_path = args.json or paths.get("json"), args.md or paths.get("md")
+    if json_path:
+        harness.write_json(json_path, meta, rows + prefill)
+    if md_path:
+        harness.write_text(md_path, report)
+    for path in (json_path, md_path):
+        if path:
+            print(f"wrote {path}", flush=True)
+    return 0

@@ -1,0 +1,386 @@
+"""Paged KV-cache operations: cache writes, Flash-Decoding attention over block tables, state merging, block copies.
+
+Layout (vLLM / flash-attn): `k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)`, `block_table:
+(batch, max_blocks_per_seq) int32`, `seq_lens: (batch,) int32`, slot = block_id * block_size + offset.
+
+All launches are CUDA-graph safe when the caller passes `max_seqlen_q` (multi-token queries) and, if splits are
+used, a `workspace` sized for its largest batch: nothing here reads device data on the host, and every
+allocation depends on shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
+import triton
+from ioattn.kernels.cache_ops import reshape_and_cache_kernel
+from ioattn.kernels.combine import combine_splits_kernel, merge_states_kernel
+from ioattn.kernels.paged_attention import paged_attention_kernel
+from ioattn.ops.checks import (
+    SUPPORTED_DTYPES, check_cu_seqlens, check_head_dim, check_heads, check_max_seqlen, normalized_window,
+    softmax_scale_or_default,
+)
+
+MAX_BLOCK_SIZE = 256
+
+# Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
+# When that leaves SMs idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (two resident
+# programs hide each other's load latency), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (below
+# that the combine pass and the partial writes cost more than the parallelism gains) and never more than
+# MAX_SPLITS. The context length used is the block table's capacity, block_table.shape[1] * block_size: a host
+# number, so choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
+PROGRAMS_PER_SM = 2
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tile and launch parameters of the paged attention kernel (the lead tunes these on the GPU).
+
+    block_m: rows of a multi-token query tile (tokens x query heads of one KV head); decode always uses the
+    query-head group padded to 16 rows. block_n: keys per K/V tile (may span several cache blocks).
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(*, decode: bool, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PagedConfig:
+    if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
+        return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
+    if decode:
+        return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+    return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
+    """Configurations worth timing for one shape on the GPU (pass each as `config=` to paged_attention)."""
+    stage_options = (1, 2, 3, 4)
+    if decode:
+        return [
+            PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s)
+            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options
+            if n * head_dim <= 16384
+        ]
+    return [
+        PagedConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
+        for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in stage_options[1:]
+        if n * head_dim <= 16384 and m * head_dim <= 32768
+    ]
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any small number keeps CPU tests fast
+
+
+def choose_num_splits(programs: int, max_context: int, sm_count: int) -> int:
+    """The num_splits=0 heuristic (see the constants above)."""
+    if programs >= sm_count:
+        return 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+@dataclass
+class PagedWorkspace:
+    """Float32 scratch for split partials: out (splits, tokens, heads, D), lse (splits, tokens, heads)."""
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+def paged_workspace(max_tokens: int, num_heads: int, head_dim: int, *, max_splits: int = MAX_SPLITS,
+                    device=None) -> PagedWorkspace:
+    """Allocate split scratch once for the largest batch (tokens = batch for decode) and reuse it every step."""
+    return PagedWorkspace(
+        torch.empty(max_splits, max_tokens, num_heads, head_dim, dtype=torch.float32, device=device),
+        torch.empty(max_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
+    )
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """What a paged_attention call launches: the config, the split count and the query tiling."""
+
+    config: PagedConfig
+    num_splits: int
+    rows: int  # BLOCK_M
+    tokens_per_tile: int
+    q_tiles_per_seq: int
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_cache(name: str, cache: torch.Tensor) -> None:
+    _require(cache.dim() == 4, f"{name} must be (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(cache.shape)}")
+    _require(cache.dtype in SUPPORTED_DTYPES, f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {cache.dtype}")
+    block_size = cache.shape[1]
+    _require(block_size & (block_size - 1) == 0 and 1 <= block_size <= MAX_BLOCK_SIZE,
+             f"{name} block_size must be a power of two in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    check_head_dim(cache.shape[3], name)
+    _require(cache.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride(-1) == 1)")
+
+
+def _check_int32_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
+    _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
+    _require(t.dim() == 1 and t.shape[0] == length, f"{name} must have shape ({length},), got {tuple(t.shape)}")
+    _require(t.is_contiguous(), f"{name} must be contiguous")
+    _require(t.device == device, f"{name} must be on {device}, got {t.device}")
+
+
+def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
+                         config: PagedConfig | None = None, workspace: PagedWorkspace | None = None) -> PagedPlan:
+    """Choose tiles and the split count for a call (pure host arithmetic on shapes)."""
+    head_dim, group = q.shape[-1], q.shape[-2] // k_cache.shape[2]
+    config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype)
+    if decode:
+        rows, tokens = max(16, triton.next_power_of_2(group)), 1
+    else:
+        rows = max(config.block_m, triton.next_power_of_2(group))
+        tokens = rows // group
+    q_tiles = 1 if decode else max(1, triton.cdiv(max_seqlen_q, tokens))
+    if num_splits == 0:
+        programs = block_table.shape[0] * k_cache.shape[2] * q_tiles
+        max_context = block_table.shape[1] * k_cache.shape[1]
+        num_splits = choose_num_splits(programs, max_context, _sm_count(q.device))
+        if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
+            fits = q.shape[0] <= workspace.partial_out.shape[1]
+            num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
+    return PagedPlan(config, num_splits, rows, tokens, q_tiles)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    sink_tokens: int = 0,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    workspace: PagedWorkspace | None = None,
+    config: PagedConfig | None = None,
+):
+    """Attention of new queries against a paged KV cache (split-KV / Flash-Decoding).
+
+    Decode: q (B, Hq, D), one token per sequence at position seq_lens[b] - 1, seeing its seq_lens[b] cached keys.
+    Multi-token (prefill, append, chunked prefill, prefix-cache hit, speculative verify): packed q (total_q, Hq, D)
+    with int32 `cu_seqlens_q` (B + 1,); query i of sequence b sits at position seq_lens[b] - q_len_b + i (its own
+    K/V must already be in the cache), causal relative to it. Pass `max_seqlen_q` (the largest q_len_b) to stay
+    free of host synchronisation; without it it is read from cu_seqlens_q.
+
+    window_size (left, right) and sink_tokens act on logical positions: key k is visible to a query at p iff
+    k < seq_len, k <= p + right (right = 0 when causal) and (k >= p - left or k < sink_tokens); -1 is unbounded.
+    num_splits: 0 picks it (see `choose_num_splits`), 1 disables splitting. Splits > 1 need float32 scratch:
+    `workspace` (see `paged_workspace`), else it is allocated for this call. `out` receives the output if given.
+    `config` (a `PagedConfig`) overrides the tiles and launch parameters of `default_config`, for tuning.
+    Returns out shaped like q, and with return_lse the natural-log LSE in float32: (B, Hq) for decode,
+    (Hq, total_q) for packed queries (flash-attn varlen). Rows that see no key (e.g. seq_len 0) give 0 and -inf.
+    """
+    decode = cu_seqlens_q is None
+    _require(q.dim() == 3, f"q must be (batch, heads, head_dim) or (total_q, heads, head_dim), got {tuple(q.shape)}")
+    _require(q.dtype in SUPPORTED_DTYPES, f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    _require(q.stride(-1) == 1, "q must be contiguous in head_dim (stride(-1) == 1)")
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    _require(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    _require(k_cache.dtype == v_cache.dtype == q.dtype,
+             f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    _require(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    check_heads(num_heads, num_kv_heads)
+    _require(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1,
+             f"block_table must be int32 (batch, max_blocks_per_seq) with unit column stride, got "
+             f"{block_table.dtype} {tuple(block_table.shape)}")
+    batch = block_table.shape[0]
+    _require(q.device == k_cache.device == v_cache.device == block_table.device,
+             "q, k_cache, v_cache and block_table must be on one device")
+    _check_int32_vector("seq_lens", seq_lens, batch, q.device)
+    if decode:
+        _require(num_tokens == batch, f"decode q has {num_tokens} rows but block_table has {batch} sequences")
+        max_seqlen_q = 1
+    else:
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, batch, num_tokens, q.device)
+        _require(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
+        if max_seqlen_q is None:  # a host sync: pass max_seqlen_q to avoid it (and to capture CUDA graphs)
+            max_seqlen_q = int(cu_seqlens_q.diff().max().item()) if batch else 0
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    left, right = normalized_window(window_size, causal)
+    _require(isinstance(sink_tokens, int) and sink_tokens >= 0, f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    _require(isinstance(num_splits, int) and num_splits >= 0,
+             f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
+    scale = softmax_scale_or_default(softmax_scale, head_dim)
+
+    plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
+                                num_splits=num_splits, config=config, workspace=workspace)
+    if out is None:
+        out = torch.empty_like(q)
+    _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+             f"out must match q's shape and dtype with stride(-1) == 1, got {out.dtype} {tuple(out.shape)}")
+    # LSE is stored [token, head]; the packed layout (Hq, total_q) is the same buffer read transposed.
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if decode else \
+        torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device).t()
+    if num_tokens == 0 or batch == 0:
+        return (out, lse if decode else lse.t()) if return_lse else out
+
+    splits = plan.num_splits
+    if splits == 1:
+        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        if workspace is None:
+            workspace = paged_workspace(num_tokens, num_heads, head_dim, max_splits=splits, device=q.device)
+        ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
+        _require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens and ws_out.shape[2:] == (num_heads, head_dim)
+                 and ws_lse.shape[:3] == ws_out.shape[:3] and ws_out.dtype == ws_lse.dtype == torch.float32,
+                 f"workspace {tuple(ws_out.shape)} cannot hold {splits} splits x {num_tokens} tokens x "
+                 f"{num_heads} heads x {head_dim}")
+        part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
+
+    cfg = plan.config
+    grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
+    paged_attention_kernel[grid](
+        q, k_cache, v_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        scale * math.log2(math.e), left, right, sink_tokens, splits, plan.q_tiles_per_seq,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
+        TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
+        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, lse, splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
+        )
+    if not return_lse:
+        return out
+    return out, lse if decode else lse.t()
+
+
+def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):
+    """Exact merge of two partial attentions over disjoint key sets (cascade attention over a shared prefix).
+
+    o_a, o_b: (tokens, heads, D), each normalised over its own keys; lse_a, lse_b: (tokens, heads) natural log
+    (for paged_attention's packed LSE (heads, tokens) pass `lse.t()`). A side with LSE -inf is empty and ignored
+    whatever its output holds; both empty gives output 0 and LSE -inf. Returns (out in o_a's dtype, lse float32).
+    """
+    _require(o_a.dim() == 3 and o_a.shape == o_b.shape, f"o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} must "
+             "be equal (tokens, heads, head_dim)")
+    _require(lse_a.shape == lse_b.shape == o_a.shape[:2],
+             f"lse_a {tuple(lse_a.shape)} and lse_b {tuple(lse_b.shape)} must be (tokens, heads) = {tuple(o_a.shape[:2])}")
+    _require(o_a.dtype in SUPPORTED_DTYPES and o_b.dtype in SUPPORTED_DTYPES,
+             f"o_a/o_b dtype must be one of {SUPPORTED_DTYPES}, got {o_a.dtype}, {o_b.dtype}")
+    _require(lse_a.dtype == lse_b.dtype == torch.float32, f"lse_a/lse_b must be float32, got {lse_a.dtype}, {lse_b.dtype}")
+    _require(o_a.stride(-1) == 1 and o_b.stride(-1) == 1, "o_a and o_b must be contiguous in head_dim")
+    _require(len({t.device for t in (o_a, lse_a, o_b, lse_b)}) == 1, "all inputs must be on one device")
+    tokens, heads, head_dim = o_a.shape
+    out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
+    lse = torch.empty(tokens, heads, dtype=torch.float32, device=o_a.device)
+    if out.numel() == 0:
+        return out, lse
+    merge_states_kernel[(tokens, heads)](
+        o_a, lse_a, o_b, lse_b, out, lse,
+        o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1), out.stride(0), out.stride(1),
+        lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out, lse
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' key/value (tokens, num_kv_heads, D) into their cache slots; slot -1 is skipped (padding).
+
+    Values are cast to the cache's dtype. slot_mapping: (tokens,) int32 or int64, slot = block_id * block_size +
+    offset. Slots must be distinct (two tokens writing one slot is a race).
+    """
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    _require(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    expected = (key.shape[0], k_cache.shape[2], k_cache.shape[3])
+    _require(key.shape == value.shape == expected,
+             f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (tokens, num_kv_heads, head_dim) = {expected}")
+    _require(key.dtype in SUPPORTED_DTYPES and value.dtype in SUPPORTED_DTYPES,
+             f"key/value dtype must be one of {SUPPORTED_DTYPES}, got {key.dtype}, {value.dtype}")
+    _require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
+    _require(slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.shape == (key.shape[0],)
+             and slot_mapping.is_contiguous(), f"slot_mapping must be contiguous int32/int64 ({key.shape[0]},), "
+             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _require(len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) == 1, "all inputs must be on one device")
+    tokens, kv_heads, head_dim = key.shape
+    if tokens == 0:
+        return
+    block_h = min(triton.next_power_of_2(kv_heads), 16)
+    reshape_and_cache_kernel[(tokens, triton.cdiv(kv_heads, block_h))](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+    )
+
+
+def _check_mapping(block_mapping: torch.Tensor, device: torch.device) -> None:
+    _require(block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
+             f"block_mapping must be int64 (pairs, 2) of [src, dst], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
+    _require(block_mapping.device == device, f"block_mapping must be on {device}, got {block_mapping.device}")
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: for every layer's caches, block dst <- block src for each [src, dst] row of block_mapping.
+
+    block_mapping: int64 (pairs, 2) on the caches' device. All sources are read before any destination is
+    written; destinations must be distinct. Two gathers per layer (torch index ops): copies are rare and small,
+    a dedicated kernel would not pay.
+    """
+    _require(len(k_caches) == len(v_caches), f"{len(k_caches)} key caches but {len(v_caches)} value caches")
+    for cache in (*k_caches, *v_caches):
+        _check_mapping(block_mapping, cache.device)
+        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+        cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy blocks between two pools (GPU <-> pinned CPU, or GPU <-> GPU): dst[d] <- src[s] per row [s, d].
+
+    One cache tensor per call (call it for each layer's K and V). block_mapping: int64 (pairs, 2) on the CPU
+    (it is read on the host; no device sync). Copies are asynchronous on the current stream when the CPU side
+    is pinned: synchronise that stream before reading a CPU destination or reusing a CPU source.
+    """
+    _require(src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
+             f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must share block shape and dtype")
+    _check_mapping(block_mapping, torch.device("cpu"))
+    for s, d in block_mapping.tolist():
+        dst[d].copy_(src[s], non_blocking=True)
