@@ -1,0 +1,571 @@
+"""FlashAttention backward by recomputation in Triton: only O and the row log-sum-exp were saved.
+
+With P = exp(S - lse) recomputed tile by tile, the gradients are (FlashAttention-2, Algorithm 2):
+    delta = rowsum(dO * O)          dV = P^T dO          dP = dO V^T
+    dS = P * (dP - delta)           dQ = scale dS K      dK = scale dS^T Q      d(additive mask) = dS
+Three kernels: a preprocess (per row and head: lse in base 2 and delta), a dK/dV kernel (one K/V tile
+resident in registers, Q/dO tiles of every query head of its GQA group streamed past it, so dK/dV are summed
+over the group without atomics) and a dQ kernel (one Q tile resident, K/V streamed). Two ways to get dQ,
+chosen by the caller:
+  - separate dQ kernel (deterministic): no atomics, bitwise reproducible; costs two extra tile matmuls per
+    (Q, K) tile pair (S and dP are recomputed: 7 matmuls instead of 5, +40% tensor-core work).
+  - fused atomics (`BwdConfig.atomic_dq`): the dK/dV kernel adds each dS K into an fp32 dQ buffer with
+    relaxed atomics; 5 matmuls, but the summation order varies from run to run (results differ in the last
+    bits) and it needs an fp32 (total_q, Hq, D) buffer plus a cast pass.
+A gradient for an additive mask that broadcasts over batch/heads is reduced with atomics unless deterministic;
+in deterministic mode it is written per (batch, head) into an expanded fp32 buffer and summed by torch
+(B*Hq*Nq*Nk floats of extra memory).
+The per-row statistics travel as an fp32 (rows, Hq, 4) tensor next to Q: [lse2, delta, 0, 0] rows are 16 bytes,
+so they load through tensor descriptors like Q and dO (plain pointer loads inside the streaming loop make
+ptxas serialize the wgmma instructions of the dK/dV kernel on sm_90, warning C7515).
+Tiles no query can see (causal / window) are skipped; only tiles that straddle a boundary apply per-element
+masks. Scores live in base 2 (exp2 with log2(e) folded into the scale). Rows that saw no key have lse = -inf:
+the preprocess turns it into +inf so their P is exactly 0 and they contribute zero gradient, never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ioattn.kernels import interpreted
+from ioattn.kernels.prefill_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, _ensure_allocator, head_dim_padded
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = tl.constexpr(LOG2E)  # scores live in base 2 inside the kernels
+DMASK_NONE, DMASK_STORE, DMASK_ATOMIC = 0, 1, 2  # how the dK/dV kernel writes an additive mask's gradient
+
+
+def deterministic_default() -> bool:
+    """The `deterministic=` a caller passes when the user did not choose: True when `IOATTN_DETERMINISTIC=1`."""
+    return os.environ.get("IOATTN_DETERMINISTIC", "0") == "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """Launch configuration of the backward kernels (what the tuning table stores)."""
+
+    kv_block_n: int  # K/V rows resident per dK/dV program
+    kv_block_m: int  # Q/dO rows streamed per step of the dK/dV program
+    q_block_m: int  # Q rows resident per dQ program
+    q_block_n: int  # K/V rows streamed per step of the dQ program
+    num_warps: int
+    num_stages: int
+    atomic_dq: bool  # fuse dQ into the dK/dV kernel with fp32 atomics (ignored when deterministic)
+
+    def __str__(self) -> str:
+        return (f"dkdv={self.kv_block_n}x{self.kv_block_m} dq={self.q_block_m}x{self.q_block_n} "
+                f"num_warps={self.num_warps} num_stages={self.num_stages} atomic_dq={self.atomic_dq}")
+
+
+def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
+    """Configurations worth timing on a GPU for this head dim and dtype, best guess first (the lead's tuner
+    picks one). Chosen from ptxas reports for sm_90 (bf16): these fit in 255 registers without spills, or
+    nearly; 4 warps with a 128-row resident tile spill heavily, and the fused-atomic dQ tile costs registers."""
+    if interpreted():
+        return [BwdConfig(16, 16, 16, 16, 4, 1, False), BwdConfig(16, 16, 16, 16, 4, 1, True)]
+    row_bytes = head_dim_padded(head_dim) * dtype.itemsize
+    if row_bytes <= 128:  # 16-bit D <= 64, fp32 D <= 32
+        return [BwdConfig(128, 64, 128, 64, 8, 3, False), BwdConfig(64, 64, 64, 64, 4, 3, False),
+                BwdConfig(128, 32, 128, 32, 8, 3, True)]
+    if row_bytes <= 256:  # 16-bit D <= 128
+        return [BwdConfig(128, 32, 128, 32, 8, 3, False), BwdConfig(64, 64, 64, 64, 8, 3, False),
+                BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
+    if row_bytes <= 512:  # 16-bit D <= 256, fp32 D <= 128
+        return [BwdConfig(64, 32, 64, 32, 8, 2, False), BwdConfig(64, 64, 64, 64, 8, 2, False),
+                BwdConfig(64, 32, 64, 32, 8, 2, True)]
+    return [BwdConfig(32, 16, 32, 16, 4, 1, False)]  # fp32 D > 128: correctness, not speed
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> BwdConfig:
+    return candidate_configs(head_dim, dtype)[0]
+
+
+@triton.jit
+def _sequence(cu_q, cu_k, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """(first row in the packed tensor, length) of this batch entry's queries and keys."""
+    if VARLEN:
+        q_start = tl.load(cu_q + batch)
+        k_start = tl.load(cu_k + batch)
+        return q_start, tl.load(cu_q + batch + 1) - q_start, k_start, tl.load(cu_k + batch + 1) - k_start
+    else:
+        zero = batch * 0  # a tensor, like the varlen starts
+        return zero, seqlen_q, zero, seqlen_k
+
+
+@triton.jit
+def _rows_stats(stats_desc, start):
+    """(lse2, delta) of rows start.. from their [lse2, delta, 0, 0] records; rows past the end read 0, 0,
+    which with their zero Q and dO rows makes P * (dP - delta) exactly 0."""
+    records = stats_desc.load([start, 0])
+    field = tl.arange(0, 4)[None, :]
+    return tl.sum(tl.where(field == 0, records, 0.0), axis=1), tl.sum(tl.where(field == 1, records, 0.0), axis=1)
+
+
+@triton.jit
+def _recompute(
+    q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+    mask_bh, stride_mm, stride_mn, qk_scale,
+    KEYS_MAJOR: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+    MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """P and dS of one (query tile, key tile); rows/cols are positions inside the sequence. KEYS_MAJOR gives
+    the (keys, queries) tiles, so the dK/dV kernel feeds them to its matmuls without transposes."""
+    if KEYS_MAJOR:
+        r = rows[None, :]
+        c = cols[:, None]
+        s = tl.dot(k, q.T, input_precision=INPUT_PRECISION) * qk_scale
+    else:
+        r = rows[:, None]
+        c = cols[None, :]
+        s = tl.dot(q, k.T, input_precision=INPUT_PRECISION) * qk_scale
+    if MASK_KIND != 0:
+        inside = (r < seqlen_q) & (c < seqlen_k)
+        dense = tl.load(mask_bh + r.to(tl.int64) * stride_mm + c * stride_mn, mask=inside, other=0)  # Nq*Nk > 2^31
+        if MASK_KIND == 1:  # MASK_BOOL
+            s = tl.where(dense != 0, s, float("-inf"))
+        else:
+            s += dense.to(tl.float32) * _LOG2E
+    if MASKED:
+        key_pos = r + diag  # where each query sits on the key axis
+        ok = (r < seqlen_q) & (c < seqlen_k)
+        if RIGHT_BOUNDED:
+            ok &= c <= key_pos + window_right
+        if LEFT_BOUNDED:
+            ok &= c >= key_pos - window_left
+        s = tl.where(ok, s, float("-inf"))
+    if KEYS_MAJOR:
+        p = tl.math.exp2(s - lse2[None, :])
+        return p, p * (tl.dot(v, do.T, input_precision=INPUT_PRECISION) - delta[None, :])
+    else:
+        p = tl.math.exp2(s - lse2[:, None])
+        return p, p * (tl.dot(do, v.T, input_precision=INPUT_PRECISION) - delta[:, None])
+
+
+@triton.jit
+def _dkdv_steps(
+    dk, dv, k, v, q_desc, do_desc, stats_desc, dq_rows, stride_qn, mask_bh, stride_mm, stride_mn,
+    dmask_bh, stride_dmm, stride_dmn, lo, hi, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+    softmax_scale, qk_scale,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+    LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DMASK_MODE: tl.constexpr, INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """Stream query tiles [lo, hi) past the resident K/V tile, accumulating dK and dV."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    for start in tl.range(lo, hi, BLOCK_M, num_stages=LOOP_STAGES):
+        rows = start + tl.arange(0, BLOCK_M)
+        q = q_desc.load([start, 0])
+        do = do_desc.load([start, 0])
+        lse2, delta = _rows_stats(stats_desc, start)
+        p_t, ds_t = _recompute(
+            q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+            mask_bh, stride_mm, stride_mn, qk_scale, True, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            INPUT_PRECISION,
+        )
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(ds_t.to(k.dtype).T, k, input_precision=INPUT_PRECISION) * softmax_scale
+            in_rows = (rows[:, None] < seqlen_q) & (dims[None, :] < HEAD_DIM)
+            dq_ptrs = dq_rows + rows.to(tl.int64)[:, None] * stride_qn + dims[None, :]
+            tl.atomic_add(dq_ptrs, dq, mask=in_rows, sem="relaxed")
+        if DMASK_MODE != 0:  # DMASK_STORE or DMASK_ATOMIC
+            inside = (rows[None, :] < seqlen_q) & (cols[:, None] < seqlen_k)
+            dmask_ptrs = dmask_bh + rows.to(tl.int64)[None, :] * stride_dmm + cols[:, None] * stride_dmn
+            if DMASK_MODE == 1:  # DMASK_STORE: one element per (batch, head, row, col)
+                tl.store(dmask_ptrs, ds_t, mask=inside)
+            else:  # the mask broadcasts over batch/heads: several programs add into one element
+                tl.atomic_add(dmask_ptrs, ds_t, mask=inside, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DO, STATS, DK, DV, DQ_ACCUM, MASK, DMASK, CU_Q, CU_K,
+    seqlen_q, seqlen_k, num_kv_heads,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_sb, stride_sn, stride_sh,
+    stride_mb, stride_mh, stride_mm, stride_mn, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
+    softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
+    RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr, ATOMIC_DQ: tl.constexpr, DMASK_MODE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """One program: one K/V tile of one (batch, KV head); writes its rows of dK and dV."""
+    batch = tl.program_id(1) // num_kv_heads
+    kv_head = tl.program_id(1) % num_kv_heads
+    q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, batch, seqlen_q, seqlen_k, VARLEN)
+    start_n = tl.program_id(0) * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    batch64 = batch.to(tl.int64)
+    diag = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0  # query i sits at key position i + diag
+
+    # Query rows that see any / every column of this tile; tiles outside [lo, hi) are skipped.
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if RIGHT_BOUNDED:  # key j visible to row i only if j <= i + diag + right
+        lo = tl.maximum(start_n - diag - window_right, 0)
+        full_lo = start_n + BLOCK_N - 1 - diag - window_right
+    if LEFT_BOUNDED:  # ... and j >= i + diag - left
+        hi = tl.minimum(start_n + BLOCK_N - diag + window_left, seqlen_q)
+        full_hi = tl.minimum(start_n - diag + window_left + 1, seqlen_q)
+    lo = lo // BLOCK_M * BLOCK_M
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_M * BLOCK_M, full_lo), hi)
+    if start_n + BLOCK_N > seqlen_k:  # zero K rows past the end would give exp2(0 - lse) > 0: mask them
+        full_hi = full_lo
+
+    kv_offset = batch64 * stride_kb + k_start.to(tl.int64) * stride_kn + kv_head.to(tl.int64) * stride_kh
+    kv_shape = [seqlen_k, HEAD_DIM]
+    k = tl.make_tensor_descriptor(K + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+    v = tl.make_tensor_descriptor(V + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD]).load([start_n, 0])
+    cols = start_n + tl.arange(0, BLOCK_N)
+    qk_scale = softmax_scale * _LOG2E
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+    if seqlen_q > 0:
+        for member in range(GROUP):
+            head = kv_head * GROUP + member
+            q_offset = batch64 * stride_qb + q_start.to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
+            q_desc = tl.make_tensor_descriptor(Q + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1],
+                                               [BLOCK_M, HEAD_DIM_PAD])
+            do_desc = tl.make_tensor_descriptor(DO + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1],
+                                                [BLOCK_M, HEAD_DIM_PAD])
+            stats_offset = batch64 * stride_sb + q_start.to(tl.int64) * stride_sn + head.to(tl.int64) * stride_sh
+            stats_desc = tl.make_tensor_descriptor(STATS + stats_offset, [seqlen_q, 4], [stride_sn, 1], [BLOCK_M, 4])
+            mask_bh = MASK + batch64 * stride_mb + head.to(tl.int64) * stride_mh
+            dmask_bh = DMASK + batch64 * stride_dmb + head.to(tl.int64) * stride_dmh
+            for segment in tl.static_range(3):  # boundary tiles, inner tiles (no element masks), boundary tiles
+                seg_lo = lo if segment == 0 else (full_lo if segment == 1 else full_hi)
+                seg_hi = full_lo if segment == 0 else (full_hi if segment == 1 else hi)
+                dk, dv = _dkdv_steps(
+                    dk, dv, k, v, q_desc, do_desc, stats_desc, DQ_ACCUM + q_offset,
+                    stride_qn, mask_bh, stride_mm, stride_mn, dmask_bh, stride_dmm, stride_dmn, seg_lo, seg_hi,
+                    cols, seqlen_q, seqlen_k, diag, window_left, window_right, softmax_scale, qk_scale,
+                    BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, segment != 1, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+                    ATOMIC_DQ, DMASK_MODE, INPUT_PRECISION, LOOP_STAGES,
+                )
+    dk_desc = tl.make_tensor_descriptor(DK + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+    dv_desc = tl.make_tensor_descriptor(DV + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
+    dk_desc.store([start_n, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
+    dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _dq_steps(
+    dq, q, do, lse2, delta, k_desc, v_desc, rows, lo, hi, seqlen_q, seqlen_k, diag, window_left, window_right,
+    mask_bh, stride_mm, stride_mn, qk_scale,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+    MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """Stream key tiles [lo, hi) past the resident Q tile, accumulating dQ (unscaled)."""
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+        cols = start + tl.arange(0, BLOCK_N)
+        k = k_desc.load([start, 0])
+        v = v_desc.load([start, 0])
+        p, ds = _recompute(
+            q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
+            mask_bh, stride_mm, stride_mn, qk_scale, False, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            INPUT_PRECISION,
+        )
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, STATS, DQ, MASK, CU_Q, CU_K,
+    seqlen_q, seqlen_k, num_heads,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_sb, stride_sn, stride_sh,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    softmax_scale, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
+    RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
+):
+    """One program: one Q tile of one (batch, query head); writes its rows of dQ."""
+    batch = tl.program_id(1) // num_heads
+    head = tl.program_id(1) % num_heads
+    q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, batch, seqlen_q, seqlen_k, VARLEN)
+    start_m = tl.program_id(0) * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    batch64 = batch.to(tl.int64)
+    diag = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
+
+    # Key columns seen by any / every row of this tile.
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if LEFT_BOUNDED:
+        lo = tl.maximum(start_m + diag - window_left, 0)
+        full_lo = start_m + BLOCK_M - 1 + diag - window_left
+    if RIGHT_BOUNDED:
+        hi = tl.minimum(start_m + BLOCK_M + diag + window_right, seqlen_k)
+        full_hi = tl.minimum(start_m + diag + window_right + 1, seqlen_k)
+    lo = lo // BLOCK_N * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
+    full_hi = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N, full_lo), hi)
+
+    q_offset = batch64 * stride_qb + q_start.to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
+    q_desc = tl.make_tensor_descriptor(Q + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
+    do_desc = tl.make_tensor_descriptor(DO + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
+    q = q_desc.load([start_m, 0])
+    do = do_desc.load([start_m, 0])
+    rows = start_m + tl.arange(0, BLOCK_M)
+    stats_offset = batch64 * stride_sb + q_start.to(tl.int64) * stride_sn + head.to(tl.int64) * stride_sh
+    stats_desc = tl.make_tensor_descriptor(STATS + stats_offset, [seqlen_q, 4], [stride_sn, 1], [BLOCK_M, 4])
+    lse2, delta = _rows_stats(stats_desc, start_m)
+
+    kv_offset = (batch64 * stride_kb + k_start.to(tl.int64) * stride_kn
+                 + (head // GROUP).to(tl.int64) * stride_kh)
+    mask_bh = MASK + batch64 * stride_mb + head.to(tl.int64) * stride_mh
+    qk_scale = softmax_scale * _LOG2E
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    if seqlen_k > 0:  # a sequence without keys has dQ = 0 (and no zero-sized descriptor is built)
+        k_desc = tl.make_tensor_descriptor(K + kv_offset, [seqlen_k, HEAD_DIM], [stride_kn, 1],
+                                           [BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(V + kv_offset, [seqlen_k, HEAD_DIM], [stride_kn, 1],
+                                           [BLOCK_N, HEAD_DIM_PAD])
+        for segment in tl.static_range(3):  # boundary tiles, inner tiles (no element masks), boundary tiles
+            seg_lo = lo if segment == 0 else (full_lo if segment == 1 else full_hi)
+            seg_hi = full_lo if segment == 0 else (full_hi if segment == 1 else hi)
+            dq = _dq_steps(
+                dq, q, do, lse2, delta, k_desc, v_desc, rows, seg_lo, seg_hi, seqlen_q, seqlen_k, diag,
+                window_left, window_right, mask_bh, stride_mm, stride_mn, qk_scale, BLOCK_N, segment != 1,
+                LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND, INPUT_PRECISION, LOOP_STAGES,
+            )
+    q_desc_out = tl.make_tensor_descriptor(DQ + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
+    q_desc_out.store([start_m, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    O, DO, LSE, STATS, CU_Q, seqlen_q, num_heads, stride_qb, stride_qn, stride_qh, stride_lb, stride_lh,
+    stride_sb, stride_sn, stride_sh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Per row and head: [lse2, delta, 0, 0] with lse2 = lse * log2(e) (+inf where lse = -inf, so P = 0)
+    and delta = rowsum(dO * O) in fp32."""
+    batch = tl.program_id(1) // num_heads
+    head = tl.program_id(1) % num_heads
+    q_start, seqlen_q, _, _ = _sequence(CU_Q, CU_Q, batch, seqlen_q, seqlen_q, VARLEN)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = rows < seqlen_q
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    batch64 = batch.to(tl.int64)
+    row_pos = (q_start + rows).to(tl.int64)
+    offsets = batch64 * stride_qb + row_pos[:, None] * stride_qn + head.to(tl.int64) * stride_qh + dims[None, :]
+    inside = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    o = tl.load(O + offsets, mask=inside, other=0.0).to(tl.float32)
+    do = tl.load(DO + offsets, mask=inside, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    lse = tl.load(LSE + batch64 * stride_lb + head.to(tl.int64) * stride_lh + row_pos, mask=valid, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    field = tl.arange(0, 4)[None, :]
+    records = tl.where(field == 0, lse2[:, None], tl.where(field == 1, delta[:, None], 0.0))
+    record_ptrs = STATS + batch64 * stride_sb + row_pos[:, None] * stride_sn + head.to(tl.int64) * stride_sh + field
+    tl.store(record_ptrs, records, mask=valid[:, None])
+
+
+def _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    for name, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
+        if t.dtype != q.dtype and name != "lse":
+            raise ValueError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all must share a device")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse.dtype must be torch.float32, got {lse.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim % 8 or not 8 <= head_dim <= 256 or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise ValueError(f"head dims of q/k/v must be equal multiples of 8 in [8, 256], got "
+                         f"{q.shape[-1]}/{k.shape[-1]}/{v.shape[-1]}")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"number of query heads ({q.shape[-2]}) must be a multiple of key/value heads ({k.shape[-2]})")
+    if o.shape != q.shape or do.shape != q.shape or v.shape != k.shape:
+        raise ValueError(f"o and do must have q's shape {tuple(q.shape)} and v k's shape {tuple(k.shape)}")
+    varlen = cu_seqlens_q is not None
+    if varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if varlen:
+        if q.dim() != 3 or k.dim() != 3:
+            raise ValueError(f"varlen q/k/v must be packed (total, heads, head_dim), got q {tuple(q.shape)}")
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu.dtype != torch.int32 or cu.dim() != 1:
+                raise ValueError(f"{name} must be a 1-D torch.int32 tensor, got {cu.dtype} {tuple(cu.shape)}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)")
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("max_seqlen_q and max_seqlen_k are required with cu_seqlens")
+        if attn_mask is not None:
+            raise ValueError("attn_mask is not supported with varlen (cu_seqlens) inputs")
+        expected_lse = (q.shape[1], q.shape[0])
+    else:
+        if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0]:
+            raise ValueError(f"q must be (B, Nq, Hq, D) and k/v (B, Nk, Hkv, D), got {tuple(q.shape)} {tuple(k.shape)}")
+        expected_lse = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != expected_lse:
+        raise ValueError(f"lse must have shape {expected_lse}, got {tuple(lse.shape)}")
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype, torch.float32):
+        raise ValueError(f"attn_mask.dtype must be torch.bool, torch.float32 or q.dtype, got {attn_mask.dtype}")
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Descriptor rules: last stride 1, 16-byte aligned base and strides."""
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]))
+
+
+def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` with the strides of `like` (q, o, do and dq share one set of strides, k, v, dk and dv another).
+    Views such as SDPA's (B, H, N, D) storage seen as (B, N, H, D) pass as they are; anything else is copied
+    here, explicitly (e.g. a slice of a packed qkv tensor, or a dO with other strides than q)."""
+    if _tma_ready(t) and t.stride() == like.stride():
+        return t
+    if like is t:
+        return t.clone(memory_format=torch.contiguous_format)
+    return torch.empty_like(like).copy_(t)
+
+
+def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """Fold causal into the right window bound; -1 means unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left, right
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal: bool = False,
+    bottom_right: bool = True,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    mask_grad: bool = False,
+    deterministic: bool = False,
+    config: BwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients (dq, dk, dv, dmask) of attention from the saved o and lse (float32, natural log).
+
+    Layouts: q/o/do (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), lse (B, Hq, Nq); varlen: packed (total, H, D),
+    lse (Hq, total_q), int32 cu_seqlens. Masking as `ioattn.reference.attention_ref`: causal (aligned
+    bottom-right, query i at key i + Nk - Nq, or top-left), window (left, right) with -1 unbounded, a dense
+    bool (True = attend) or additive mask broadcastable to (B, Hq, Nq, Nk). dmask (the gradient of an additive
+    mask, in the mask's shape and dtype) is computed only when `mask_grad`, else None. `deterministic` forces
+    the separate dQ kernel and no atomics anywhere (see the module docstring for the cost).
+    """
+    _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask)
+    if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
+        raise ValueError("mask_grad needs an additive (floating-point) attn_mask")
+    _ensure_allocator()
+    head_dim = q.shape[-1]
+    config = config or default_config(head_dim, q.dtype)
+    atomic_dq = config.atomic_dq and not deterministic
+    q, k = _in_layout(q, q), _in_layout(k, k)
+    o, do, v = _in_layout(o, q), _in_layout(do, q), _in_layout(v, k)
+    lse = lse.contiguous()
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = 0, 0
+        strides_q = (0, q.stride(0), q.stride(1))
+        strides_k = (0, k.stride(0), k.stride(1))
+        strides_l = (0, lse.stride(0))
+        stats = torch.empty(q.shape[0], q.shape[-2], 4, dtype=torch.float32, device=q.device)
+        strides_s = (0, stats.stride(0), stats.stride(1))
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+    else:
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+        max_seqlen_q, max_seqlen_k = seqlen_q, seqlen_k
+        strides_q = q.stride()[:3]
+        strides_k = k.stride()[:3]
+        strides_l = lse.stride()[:2]
+        stats = torch.empty(batch, seqlen_q, q.shape[-2], 4, dtype=torch.float32, device=q.device)
+        strides_s = stats.stride()[:3]
+        cu_q = cu_k = lse  # unused placeholders
+    num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
+    left, right = _window(causal, window_size)
+    common = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), VARLEN=varlen, BOTTOM_RIGHT=bottom_right,
+        LEFT_BOUNDED=left >= 0, RIGHT_BOUNDED=right >= 0,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        LOOP_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+    mask_kind, mask_arg, strides_m = MASK_NONE, q, (0, 0, 0, 0)
+    dmask_mode, dmask_buffer, strides_dm = DMASK_NONE, q, (0, 0, 0, 0)
+    if attn_mask is not None:
+        full_shape = (batch, num_heads, seqlen_q, seqlen_k)
+        mask4 = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        expanded = mask4.expand(full_shape)
+        mask_kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_ADDITIVE
+        mask_arg = expanded.view(torch.uint8) if mask_kind == MASK_BOOL else expanded
+        strides_m = expanded.stride()
+        if mask_grad:
+            broadcast = tuple(mask4.shape) != full_shape
+            if broadcast and not deterministic:  # one fp32 element per mask element, atomics reduce
+                dmask_mode = DMASK_ATOMIC
+                dmask_buffer = torch.zeros(mask4.shape, dtype=torch.float32, device=q.device)
+                strides_dm = dmask_buffer.expand(full_shape).stride()
+            else:  # one element per (b, h, i, j): plain stores, torch reduces
+                dmask_mode = DMASK_STORE
+                dmask_buffer = torch.zeros(full_shape, dtype=torch.float32, device=q.device)
+                strides_dm = dmask_buffer.stride()
+
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq_accum = torch.zeros_like(q, dtype=torch.float32) if atomic_dq else dq
+    if k.shape[-3] == 0:  # no keys at all: nothing is visible, every gradient is zero
+        dq.zero_()
+    elif batch * num_kv_heads > 0:
+        rows = max(16, 4096 // head_dim_padded(head_dim))  # O and dO tiles of 16 KB in registers
+        attention_bwd_preprocess_kernel[(max(1, triton.cdiv(max_seqlen_q, rows)), batch * num_heads)](
+            o, do, lse, stats, cu_q, seqlen_q, num_heads, *strides_q, *strides_l, *strides_s,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), BLOCK_M=rows, VARLEN=varlen,
+        )
+        attention_bwd_dkdv_kernel[(max(1, triton.cdiv(max_seqlen_k, config.kv_block_n)), batch * num_kv_heads)](
+            q, k, v, do, stats, dk, dv, dq_accum, mask_arg, dmask_buffer, cu_q, cu_k,
+            seqlen_q, seqlen_k, num_kv_heads, *strides_q, *strides_k, *strides_s, *strides_m, *strides_dm,
+            scale, left, right, BLOCK_M=config.kv_block_m, BLOCK_N=config.kv_block_n,
+            GROUP=num_heads // num_kv_heads, MASK_KIND=mask_kind, ATOMIC_DQ=atomic_dq, DMASK_MODE=dmask_mode,
+            **common,
+        )
+        if atomic_dq:
+            dq.copy_(dq_accum)
+        else:
+            attention_bwd_dq_kernel[(max(1, triton.cdiv(max_seqlen_q, config.q_block_m)), batch * num_heads)](
+                q, k, v, do, stats, dq, mask_arg, cu_q, cu_k,
+                seqlen_q, seqlen_k, num_heads, *strides_q, *strides_k, *strides_s, *strides_m,
+                scale, left, right, BLOCK_M=config.q_block_m, BLOCK_N=config.q_block_n,
+                GROUP=num_heads // num_kv_heads, MASK_KIND=mask_kind, **common,
+            )
+    dmask = None
+    if mask_grad:
+        dims = [d for d in range(4) if mask4.shape[d] == 1 and full_shape[d] != 1]
+        reduced = dmask_buffer.sum(dim=dims, keepdim=True) if dmask_mode == DMASK_STORE and dims else dmask_buffer
+        dmask = reduced.reshape(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask

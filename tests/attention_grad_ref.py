@@ -1,0 +1,88 @@
+"""Float64 reference gradients of attention (autograd through `ioattn.reference.attention_ref(...,
+differentiable=True)`) and the random problems the backward tests share."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ioattn.reference import attention_ref
+
+
+def attention_grads_ref(q, k, v, do, *, scale, causal=False, bottom_right=True, window_size=(-1, -1),
+                        attn_mask=None, mask_grad=False, cu_seqlens_q=None, cu_seqlens_k=None):
+    """(dq, dk, dv, dmask) in float64 for the same arguments as the backward launchers."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        attn_mask = attn_mask.detach().double().requires_grad_(mask_grad)
+    out, _ = attention_ref(q64, k64, v64, causal=causal, causal_align="bottom_right" if bottom_right else "top_left",
+                           window_size=window_size, attn_mask=attn_mask, softmax_scale=scale,
+                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, differentiable=True)
+    wrt = [q64, k64, v64] + ([attn_mask] if mask_grad else [])
+    grads = torch.autograd.grad(out, wrt, do.double(), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
+    return (*grads[:3], grads[3] if mask_grad else None)
+
+
+def _random_mask(kind, batch, hq, n_q, n_k, dtype, device):
+    if kind is None:
+        return None
+    if kind == "bool":  # broadcast over heads
+        return torch.rand(batch, 1, n_q, n_k, device=device) > 0.3
+    if kind == "additive":  # full shape, with some -inf entries
+        mask = torch.randn(batch, hq, n_q, n_k, dtype=dtype, device=device)
+        return mask.masked_fill_(torch.rand(mask.shape, device=device) < 0.2, -math.inf)
+    assert kind == "additive_broadcast", kind  # broadcast over batch and heads
+    return torch.randn(n_q, n_k, dtype=dtype, device=device)
+
+
+@dataclasses.dataclass
+class Problem:
+    """A random backward problem: inputs, the forward's o/lse (from the float64 reference) and dO."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    do: torch.Tensor
+    kwargs: dict
+
+
+def make_problem(*, batch=1, n_q=16, n_k=16, hq=2, hkv=1, head_dim=16, dtype=torch.float32, device="cpu",
+                 causal=False, bottom_right=True, window_size=(-1, -1), mask=None, seqlens=None) -> Problem:
+    """`mask`: None | "bool" | "additive" | "additive_broadcast" | a mask tensor; `seqlens`: list of (n_q, n_k)
+    per sequence for the packed varlen layout."""
+    scale = 1.0 / math.sqrt(head_dim)
+    kwargs = dict(scale=scale, causal=causal, bottom_right=bottom_right, window_size=window_size)
+    if seqlens is not None:
+        cu_q = torch.tensor([0] + [n for n, _ in seqlens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + [n for _, n in seqlens], dtype=torch.int32).cumsum(0).to(torch.int32)
+        q_shape, k_shape = (int(cu_q[-1]), hq, head_dim), (int(cu_k[-1]), hkv, head_dim)
+        kwargs.update(cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
+                      max_seqlen_q=max([n for n, _ in seqlens], default=0),
+                      max_seqlen_k=max([n for _, n in seqlens], default=0))
+    else:
+        q_shape, k_shape = (batch, n_q, hq, head_dim), (batch, n_k, hkv, head_dim)
+    q, k, v = (torch.randn(s, dtype=dtype, device=device) for s in (q_shape, k_shape, k_shape))
+    if isinstance(mask, torch.Tensor):
+        attn_mask = mask.to(device)
+    else:
+        attn_mask = _random_mask(mask, batch, hq, n_q, n_k, dtype, device)
+    if attn_mask is not None:
+        kwargs["attn_mask"] = attn_mask
+    ref_kwargs = {"cu_seqlens_q": kwargs.get("cu_seqlens_q"), "cu_seqlens_k": kwargs.get("cu_seqlens_k")}
+    o, lse = attention_ref(q, k, v, causal=causal, window_size=window_size, attn_mask=attn_mask, softmax_scale=scale,
+                           causal_align="bottom_right" if bottom_right else "top_left",
+                           **{n: t.cpu() if t is not None else None for n, t in ref_kwargs.items()})
+    do = torch.randn(q_shape, dtype=dtype, device=device)
+    return Problem(q, k, v, o.to(dtype).to(device), lse.float().to(device), do, kwargs)
+
+
+def reference_grads(problem: Problem, mask_grad: bool = False):
+    kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in problem.kwargs.items()
+          if n not in ("max_seqlen_q", "max_seqlen_k")}
+    return attention_grads_ref(problem.q.cpu(), problem.k.cpu(), problem.v.cpu(), problem.do.cpu(),
+                               mask_grad=mask_grad, **kw)
