@@ -1,0 +1,119 @@
+"""`ioattn.LLM`: offline batched generation over `LLMEngine` (vLLM's `LLM(model=...).generate(...)`).
+
+    llm = LLM("tiny")                      # or a local Hugging Face checkpoint folder
+    outputs = llm.generate(["Hello", "The sky"], SamplingParams(temperature=0, max_tokens=32))
+    outputs[0].outputs[0].text
+
+Every prompt goes into the engine at once and continuous batching runs them to completion; outputs come back
+in input order. A prompt the engine refuses (empty, too long, an unknown token id) does not stop the others: its
+`RequestOutput` is finished with no completions and `error` saying why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+from ioattn.engine.sampling import BeamSearchParams, SamplingParams
+from ioattn.engine.sequence import RequestMetrics, RequestOutput
+from ioattn.models.loader import LoadedModel
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | os.PathLike | LoadedModel = "tiny",
+        *,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        device: str | torch.device | None = None,
+        **engine_kwargs,
+    ):
+        """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
+        swap_space, watermark, enforce_eager)."""
+        config = EngineConfig(
+            dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, device=device, **engine_kwargs,
+        )
+        self.engine = LLMEngine(model, config)
+        self.tokenizer = self.engine.tokenizer
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Seq[str] | None = None,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings, or token id lists); one `RequestOutput` each, in input order."""
+        inputs = _inputs(prompts, prompt_token_ids)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(inputs)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(inputs):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(inputs)} prompts")
+        return self._run(inputs, params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | Seq[str] | None = None,
+        params: BeamSearchParams | None = None,
+        prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (vLLM's `LLM.beam_search`, transformers' algorithm): each output holds
+        the `params.n` best beams, best first, `cumulative_logprob` being the length-penalised score."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        inputs = _inputs(prompts, prompt_token_ids)
+        return self._run(inputs, [params] * len(inputs), use_tqdm)
+
+    def _run(self, inputs: list[dict], params: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        results: dict[str, RequestOutput] = {}
+        order = [f"llm-{next(self._request_counter)}" for _ in inputs]
+        pending = set(order)
+        for request_id, request_input, request_params in zip(order, inputs, params):
+            try:
+                engine.add_request(request_id, params=request_params, **request_input)
+            except ValueError as error:
+                ids = request_input.get("prompt_token_ids")
+                pending.discard(request_id)
+                results[request_id] = RequestOutput(
+                    request_id, request_input.get("prompt"), list(ids) if isinstance(ids, Seq) else [], [],
+                    finished=True, metrics=RequestMetrics(arrival_time=0.0), error=str(error),
+                )
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(pending), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in pending:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[request_id] for request_id in order]
+
+
+def _inputs(prompts, prompt_token_ids) -> list[dict]:
+    """add_request keyword arguments for each prompt: one string or a list, one id list or a list of them."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts and prompt_token_ids")
+    if prompts is not None:
+        return [dict(prompt=p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+    single = len(prompt_token_ids) > 0 and isinstance(prompt_token_ids[0], int)
+    return [dict(prompt_token_ids=ids) for ids in ([prompt_token_ids] if single else prompt_token_ids)]

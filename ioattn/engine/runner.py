@@ -1,0 +1,331 @@
+"""Model runner: owns the paged KV cache tensors and runs one flat, packed batch per step.
+
+A batch is a list of `BatchEntry`s — prefill chunks and decode tokens alike — built by the engine from the
+scheduler's chunks and the KV manager's plans (block tables, slot mappings). The runner packs their tokens into
+one `(T,)` vector with positions, and hands the model a `PagedContext`; the model's attention callable then
+writes each layer's new K/V into its cache slots and attends over the sequence's blocks:
+
+- CUDA: `reshape_and_cache` + `paged_attention` (the Triton kernels), and decode-only batches replay CUDA
+  graphs captured per batch size (rows padded to the captured size: slot -1 is not written, seq_len 0 reads
+  nothing);
+- CPU: the exact torch path — K/V written with `index_copy_`, each sequence's keys gathered through its block
+  table and attended with PyTorch SDPA under the same bottom-right causal (and sliding-window) mask.
+
+Copy-on-write and swap plans run before the forward pass, swap-outs first (a block a swap-out empties may be
+refilled by a swap-in of the same step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM, dense_causal_attention
+
+# Decode batch sizes captured as CUDA graphs (up to max_num_seqs): small ones exactly, then multiples of 8.
+GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 513, 8))
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _copy_block_rows(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """dst[d] <- src[s] for each [s, d] row; the torch path's copies (it must not import Triton)."""
+    dst.index_copy_(0, mapping[:, 1], src.index_select(0, mapping[:, 0]))
+
+
+@dataclass
+class BatchEntry:
+    """One sequence's share of a step: tokens at positions start.. with their slots, and its whole block table."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    slot_mapping: list[int]
+    sample: bool  # return logits for the last token
+
+    @property
+    def seq_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass
+class PagedContext:
+    """What the attention callable needs for one batch (device tensors; CPU-path helpers precomputed)."""
+
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_table: torch.Tensor  # (B, max_blocks) int32
+    seq_lens: torch.Tensor  # (B,) int32: context length after this step
+    cu_seqlens_q: torch.Tensor | None  # (B + 1,) int32; None for a decode-only batch
+    max_seqlen_q: int
+    window_sizes: tuple[tuple[int, int], ...]
+    workspace: object | None = None
+    # CPU path: per sequence, the cache slots of positions 0..seq_len-1 and the query rows.
+    context_slots: list[torch.Tensor] = field(default_factory=list)
+    query_bounds: list[tuple[int, int]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        num_cpu_blocks: int = 0,
+        max_num_seqs: int = 256,
+        use_cuda_graphs: bool = True,
+        attention_backend: str = "auto",
+    ):
+        """attention_backend: "triton" (reshape_and_cache + paged_attention), "torch" (the exact CPU path) or
+        "auto" (triton on CUDA, torch elsewhere; triton on the CPU runs in Triton's interpreter, for tests)."""
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        self.model = model
+        self.config = model.config
+        self.device = model.inv_freq.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.use_triton = attention_backend == "triton" or (attention_backend == "auto" and self.device.type == "cuda")
+        self.block_size = block_size
+        self.max_blocks_per_seq = _cdiv(max_model_len, block_size)
+        self.window_sizes = tuple(self.config.window_size(i) for i in range(self.config.num_layers))
+        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
+        layers = range(self.config.num_layers)
+        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        # The swap pool is only ever read where a swap-out wrote; pinned on CUDA so that copies are asynchronous.
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        self.cpu_k_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.k_caches]
+        self.cpu_v_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.v_caches]
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._workspace = None
+        if self.use_triton:
+            from ioattn.ops.paged import paged_workspace
+
+            self._workspace = paged_workspace(max(max_num_seqs, 1), self.config.num_heads, self.config.head_dim,
+                                              device=self.device)
+            if use_cuda_graphs and self.device.type == "cuda":
+                self._capture_graphs(max_num_seqs)
+
+    @staticmethod
+    def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    # -- plans: copies and swaps ------------------------------------------------------------------------------
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's block dst <- block src, before the step writes into dst."""
+        if not copies:
+            return
+        mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+        if self.use_triton:
+            from ioattn.ops.paged import copy_blocks
+
+            copy_blocks(self.k_caches, self.v_caches, mapping)
+            return
+        for cache in (*self.k_caches, *self.v_caches):
+            _copy_block_rows(cache, cache, mapping)
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Swap-outs (gpu, cpu) first: a block they empty may be the destination of a swap-in (cpu, gpu)."""
+        for moves, to_cpu in ((swap_out, True), (swap_in, False)):
+            if not moves:
+                continue
+            mapping = torch.tensor(moves, dtype=torch.int64)
+            pairs = zip((*self.k_caches, *self.v_caches), (*self.cpu_k_caches, *self.cpu_v_caches))
+            for device_cache, cpu_cache in pairs:
+                src, dst = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
+                if self.use_triton:
+                    from ioattn.ops.paged import swap_blocks
+
+                    swap_blocks(src, dst, mapping)
+                else:
+                    _copy_block_rows(src, dst, mapping)
+
+    # -- the forward pass ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, entries: list[BatchEntry]) -> torch.Tensor:
+        """Run one packed batch; float32 logits (number of sampling entries, vocab), in entry order."""
+        if not entries:
+            return torch.empty(0, self.config.vocab_size, device=self.device)
+        input_ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.int64)
+        positions = torch.tensor([p for e in entries for p in range(e.start, e.seq_len)], dtype=torch.int64)
+        # Set per call, not once: engines sharing one loaded model must each attend over their own cache.
+        self.model.attention = self._attention
+        decode = all(len(e.token_ids) == 1 for e in entries)
+        graph_size = next((s for s in self.graphs if s >= len(entries)), None) if decode else None
+        if graph_size is not None:
+            hidden = self._replay(graph_size, entries, input_ids, positions)
+        else:
+            ctx = self._context(entries, decode)
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)
+        last_rows, row = [], 0
+        for e in entries:
+            row += len(e.token_ids)
+            if e.sample:
+                last_rows.append(row - 1)
+        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _context(self, entries: list[BatchEntry], decode: bool) -> PagedContext:
+        width = max(len(e.block_table) for e in entries)
+        tables = [e.block_table + [0] * (width - len(e.block_table)) for e in entries]
+        q_lens = [len(e.token_ids) for e in entries]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        to = dict(device=self.device)
+        ctx = PagedContext(
+            slot_mapping=torch.tensor([s for e in entries for s in e.slot_mapping], dtype=torch.int64, **to),
+            block_table=torch.tensor(tables, dtype=torch.int32, **to),
+            seq_lens=torch.tensor([e.seq_len for e in entries], dtype=torch.int32, **to),
+            cu_seqlens_q=None if decode else torch.tensor(cu, dtype=torch.int32, **to),
+            max_seqlen_q=max(q_lens),
+            window_sizes=self.window_sizes,
+            # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
+            workspace=self._workspace if decode else None,
+        )
+        if not self.use_triton:
+            bs = self.block_size
+            for e, start, end in zip(entries, cu[:-1], cu[1:]):
+                pos = torch.arange(e.seq_len)
+                table = torch.tensor(e.block_table, dtype=torch.int64)
+                ctx.context_slots.append(table[pos // bs] * bs + pos % bs)
+                ctx.query_bounds.append((start, end))
+        return ctx
+
+    def _attention(self, q, k, v, layer_idx: int, ctx: PagedContext) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        window = ctx.window_sizes[layer_idx]
+        if self.use_triton:
+            from ioattn.ops.paged import paged_attention, reshape_and_cache
+
+            reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+            return paged_attention(
+                q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, cu_seqlens_q=ctx.cu_seqlens_q,
+                max_seqlen_q=ctx.max_seqlen_q, causal=True, window_size=window, workspace=ctx.workspace,
+            )
+        return self._torch_paged_attention(q, k, v, k_cache, v_cache, window, ctx)
+
+    @staticmethod
+    def _torch_paged_attention(q, k, v, k_cache, v_cache, window, ctx: PagedContext) -> torch.Tensor:
+        """Exact CPU path: write K/V to their slots, then each sequence's queries attend over its gathered cache."""
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        flat_k.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
+        out = torch.empty_like(q)
+        for slots, (start, end) in zip(ctx.context_slots, ctx.query_bounds):
+            seq_len = slots.shape[0]
+            # (1, H, N, D) views; queries sit at the last end - start positions (bottom-right causal).
+            q_s = q[start:end].transpose(0, 1).unsqueeze(0)
+            k_s = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            v_s = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+            k_pos = torch.arange(seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if window[0] >= 0:
+                mask &= k_pos >= q_pos - window[0]
+            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
+            out[start:end] = o_s.squeeze(0).transpose(0, 1)
+        return out
+
+    # -- CUDA graphs for decode ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _capture_graphs(self, max_num_seqs: int) -> None:
+        """Capture one decode step per batch size; the static buffers are shared by all graphs."""
+        max_bs = max(s for s in GRAPH_BATCH_SIZES if s <= max(max_num_seqs, 1))
+        to = dict(device=self.device)
+        self._graph_ids = torch.zeros(max_bs, dtype=torch.int64, **to)
+        self._graph_positions = torch.zeros(max_bs, dtype=torch.int64, **to)
+        self._graph_slots = torch.full((max_bs,), -1, dtype=torch.int64, **to)
+        self._graph_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, **to)
+        self._graph_lens = torch.zeros(max_bs, dtype=torch.int32, **to)
+        self.model.attention = self._attention
+        pool = None
+        for size in sorted((s for s in GRAPH_BATCH_SIZES if s <= max_bs), reverse=True):
+            ctx = PagedContext(
+                slot_mapping=self._graph_slots[:size], block_table=self._graph_tables[:size],
+                seq_lens=self._graph_lens[:size], cu_seqlens_q=None, max_seqlen_q=1,
+                window_sizes=self.window_sizes, workspace=self._workspace,
+            )
+            ids, positions = self._graph_ids[:size], self._graph_positions[:size]
+            self.model(ids, positions, ctx)  # warm-up: compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(ids, positions, ctx)
+            pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize()
+        self.graphs = dict(sorted(self.graphs.items()))
+
+    def _replay(self, size: int, entries: list[BatchEntry], input_ids, positions) -> torch.Tensor:
+        n = len(entries)
+        width = max(len(e.block_table) for e in entries)
+        tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32)
+        tables[:n, :width] = torch.tensor([e.block_table + [0] * (width - len(e.block_table)) for e in entries],
+                                          dtype=torch.int32)
+        slots = torch.full((size,), -1, dtype=torch.int64)
+        slots[:n] = torch.tensor([e.slot_mapping[0] for e in entries], dtype=torch.int64)
+        lens = torch.zeros(size, dtype=torch.int32)
+        lens[:n] = torch.tensor([e.seq_len for e in entries], dtype=torch.int32)
+        self._graph_ids[:n].copy_(input_ids, non_blocking=True)
+        self._graph_positions[:n].copy_(positions, non_blocking=True)
+        self._graph_slots[:size].copy_(slots, non_blocking=True)
+        self._graph_tables[:size].copy_(tables, non_blocking=True)
+        self._graph_lens[:size].copy_(lens, non_blocking=True)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]
+
+    # -- sizing ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    @torch.inference_mode()
+    def profile_num_blocks(model: LlamaForCausalLM, *, block_size: int, gpu_memory_utilization: float,
+                           max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of the device after weights and a peak-activation pass.
+
+        The peak is measured on a dense forward over `max_num_batched_tokens` tokens (the largest step the
+        scheduler builds), so the KV pool never starves a full prefill step of activation memory.
+        """
+        device = model.inv_freq.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        lens = [max_model_len] * (max_num_batched_tokens // max_model_len)
+        if max_num_batched_tokens % max_model_len:
+            lens.append(max_num_batched_tokens % max_model_len)
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lens])
+        ctx = DenseCausalAttention.build(lens, model.config, device)
+        attention, model.attention = model.attention, dense_causal_attention
+        try:
+            # Logits of one row per running sequence: the sampler's share of the peak.
+            model.compute_logits(model(ids, positions, ctx)[:max_num_seqs])
+        finally:
+            model.attention = attention
+        torch.cuda.synchronize(device)
+        peak_activation = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()  # else the activations' cached memory would count as used twice
+        free, total = torch.cuda.mem_get_info(device)
+        usable = int(total * gpu_memory_utilization) - (total - free) - peak_activation
+        num_blocks = usable // ModelRunner.block_bytes(model.config, block_size, model.model.embed_tokens.weight.dtype)
+        if num_blocks < _cdiv(max_model_len, block_size):
+            raise ValueError(
+                f"gpu_memory_utilization {gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV blocks, "
+                f"fewer than one max_model_len ({max_model_len}) sequence needs; raise it, or lower "
+                "max_model_len / max_num_batched_tokens"
+            )
+        return num_blocks

@@ -1,0 +1,122 @@
+"""Sequence and request state, and the outputs the engine hands back (vLLM's `RequestOutput` shape).
+
+A request owns one sequence per sample: it starts with a single one holding the prompt, and when `n > 1` the
+engine forks it after the prompt's first sampled token (the children share the prompt's KV blocks). The
+scheduler works on sequences only; token ids are the prompt followed by the generated tokens, and
+`num_computed_tokens` counts those whose KV is in the cache.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # no KV blocks: not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its blocks are in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    arrival_time: float
+    priority: int = 0
+    index: int = 0  # which of the request's n samples
+    # How many sequences this one stands for in admission: n for a prompt that will fork, 1 otherwise.
+    width: int = 1
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    # Tokens the KV manager holds slots for; a freshly sampled token is reserved by the next schedule.
+    num_reserved_tokens: int = 0
+    num_preemptions: int = 0
+    # Set when a preempted sequence is resumed and cleared once it produces a new token: it is not chosen as a
+    # preemption victim in between, so that sequences cannot evict each other step after step without progress.
+    resumed_without_progress: bool = False
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def needs_slot(self) -> bool:
+        """A sampled token is waiting for its KV slot (a decode step)."""
+        return self.num_reserved_tokens < self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def scheduling_key(self, by_priority: bool) -> tuple:
+        """Sort key: served first when smaller; the largest running sequence is the preemption victim."""
+        return (self.priority if by_priority else 0, self.arrival_time, self.seq_id)
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings, in `time.monotonic()` seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_output_tokens: int) -> float | None:
+        """Mean gap between output tokens after the first (TPOT); None with fewer than two tokens."""
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # Set (and finished True, outputs empty) when the request was refused: the message says why.
+    error: str | None = None
