@@ -15,6 +15,10 @@ _PUBLIC = {
     "merge_states": "ioattn.ops.paged",
     "copy_blocks": "ioattn.ops.paged",
     "swap_blocks": "ioattn.ops.paged",
+    "LLM": "ioattn.engine.llm",
+    "LLMEngine": "ioattn.engine.llm_engine",
+    "SamplingParams": "ioattn.engine.sampling",
+    "BeamSearchParams": "ioattn.engine.sampling",
 }
 
 __all__ = sorted(_PUBLIC)

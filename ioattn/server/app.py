@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP app: `create_app(engine)` -> a FastAPI app to run with uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`: server-sent events in OpenAI's
+chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Every request is checked in its handler before it reaches the engine (model name, prompt, lengths, sampling
+values), so bad input gets a 400 with an OpenAI error body naming the problem and never disturbs the engine;
+past `max_queued_requests` unfinished requests the server answers 429. A client that disconnects (streaming or
+not) or cancels has its request aborted, which frees its KV blocks before the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ioattn.engine.llm_engine import LLMEngine
+from ioattn.engine.sampling import SamplingParams
+from ioattn.engine.sequence import RequestOutput
+from ioattn.server import protocol as api
+from ioattn.server.chat_template import ChatTemplate, TemplateError
+from ioattn.server.engine_loop import (DEFAULT_MAX_QUEUED_REQUESTS, EngineFailure, EngineLoop, Overloaded,
+                                      RequestStream)
+from ioattn.server.metrics import CONTENT_TYPE, ServerMetrics
+from ioattn.server.responses import ChatFormatter, CompletionFormatter, Formatter
+
+log = logging.getLogger("ioattn.server")
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+    body = api.ErrorResponse(error=api.ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _validation_message(error: dict) -> tuple[str, str | None]:
+    """FastAPI's first validation error -> (message, param) in words a client can act on."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    if error.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
+    param = ".".join(loc) or None
+    if error.get("type") == "extra_forbidden":
+        return f"{param}: unknown or unsupported parameter", param
+    return (f"{param}: {error.get('msg')}" if param else f"the request body is invalid: {error.get('msg')}"), param
+
+
+class Server:
+    """Request checks and the route handlers' logic, around one engine loop."""
+
+    def __init__(self, engine: LLMEngine, served_model_name: str, chat_template: ChatTemplate,
+                 max_queued_requests: int):
+        self.engine = engine
+        self.model_name = served_model_name
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics()
+        self.loop = EngineLoop(engine, self.metrics, max_queued_requests)
+
+    # -- checks -----------------------------------------------------------------------------------------
+
+    def check_common(self, body: api.CompletionRequest | api.ChatCompletionRequest) -> None:
+        if body.model != self.model_name:
+            raise ApiError(f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", code="model_not_found")
+        if body.logit_bias:
+            raise ApiError("logit_bias is not supported", "logit_bias")
+        max_seqs = self.engine.scheduler_config.max_num_seqs
+        if body.n > max_seqs:
+            raise ApiError(f"n ({body.n}) must be <= the server's max_num_seqs ({max_seqs})", "n")
+
+    def completion_prompt(self, body: api.CompletionRequest) -> list[int]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(f"prompt: a batch of {len(prompt)} prompts is not supported; send one request "
+                               "per prompt", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._checked_ids(self.tokenizer.encode(prompt) if prompt else [], "prompt")
+        vocab = self.engine.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"prompt: token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
+        return self._checked_ids(list(prompt), "prompt")
+
+    def chat_prompt(self, body: api.ChatCompletionRequest) -> list[int]:
+        if body.tools:
+            raise ApiError("tools are not supported", "tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise ApiError("response_format: only {'type': 'text'} is supported", "response_format")
+        messages = [message.model_dump(exclude_none=True) for message in body.messages]
+        try:
+            text = self.chat_template.render(messages, body.add_generation_prompt)
+        except TemplateError as error:
+            raise ApiError(str(error), "messages") from error
+        ids = self.tokenizer.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
+        return self._checked_ids(ids, "messages")
+
+    def _checked_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise ApiError(f"{param}: the prompt is empty; it must hold at least one token", param)
+        if len(ids) >= self.max_model_len:
+            raise ApiError(f"{param}: the prompt is {len(ids)} tokens; this model's context (max_model_len) is "
+                           f"{self.max_model_len}, which must leave room for at least one generated token", param)
+        return ids
+
+    def sampling_params(self, body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
+                        max_tokens_given: bool) -> SamplingParams:
+        room = self.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            if not max_tokens_given:
+                max_tokens = room  # the completions default (16) shrinks to fit; an explicit value does not
+            else:
+                raise ApiError(f"max_tokens ({max_tokens}) + prompt tokens ({prompt_len}) exceed this model's "
+                               f"context (max_model_len {self.max_model_len})", "max_tokens")
+        try:
+            return body.sampling_params(max_tokens, logprobs)
+        except ValueError as error:
+            raise ApiError(str(error), str(error).split()[0]) from error
+
+    # -- serving ----------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        try:
+            return self.loop.add(prompt_ids, params)
+        except Overloaded as error:
+            raise ApiError(str(error), status=429, type="rate_limit_error", code="rate_limit_exceeded") from error
+
+    async def respond(self, request: Request, stream: RequestStream, formatter: Formatter, streaming: bool):
+        if streaming:
+            # The background task runs after the response ends, also when starlette cancelled it on a disconnect
+            # before the generator ever started (its own `finally` would then never run).
+            return StreamingResponse(self._events(stream, formatter), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
+        try:
+            final = await _unless_disconnected(request, stream.final())
+        except ValueError as error:  # the engine refused what the checks let through: still the request's fault
+            raise ApiError(str(error)) from error
+        except EngineFailure as error:
+            return error_response(500, str(error), "server_error")
+        finally:
+            stream.close()
+        if final is None:
+            return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+        return JSONResponse(formatter.response(final).model_dump(exclude_none=False))
+
+    async def _events(self, stream: RequestStream, formatter: Formatter) -> AsyncIterator[str]:
+        """SSE lines; the request is aborted if the client goes away (starlette cancels this generator)."""
+        try:
+            async for output in stream:
+                for chunk in formatter.chunks(output):
+                    yield _sse(chunk)
+            usage_chunk = formatter.usage_chunk()
+            if usage_chunk is not None:
+                yield _sse(usage_chunk)
+        except Exception as error:  # the stream has begun: report in-band, as OpenAI does
+            log.warning("request %s failed: %s", stream.request_id, error)
+            status = 400 if isinstance(error, ValueError) else 500
+            yield _sse(api.ErrorResponse(error=api.ErrorInfo(
+                message=str(error), type="invalid_request_error" if status == 400 else "server_error")))
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def _unless_disconnected(request: Request, work) -> RequestOutput | None:
+    """`work`'s result, or None if the client disconnects first (uvicorn does not cancel handlers)."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+    if work_task.done():
+        return work_task.result()
+    work_task.cancel()
+    return None
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: ChatTemplate | None = None,
+               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
+    server = Server(engine, served_model_name, chat_template or ChatTemplate.plain(), max_queued_requests)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        await server.loop.stop()
+
+    app = FastAPI(title="ioattn", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError):
+        message, param = _validation_message(error.errors()[0])
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return error_response(error.status_code, str(error.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(500, f"internal error: {error!r}", "server_error")
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request):
+        server.check_common(body)
+        for name, supported in (("echo", not body.echo), ("suffix", body.suffix is None),
+                                ("best_of", body.best_of in (None, body.n))):
+            if not supported:
+                raise ApiError(f"{name} is not supported" + (" (other than best_of = n)" if name == "best_of" else ""),
+                               name)
+        prompt_ids = server.completion_prompt(body)
+        params = server.sampling_params(body, len(prompt_ids), body.max_tokens, body.logprobs,
+                                        "max_tokens" in body.model_fields_set)
+        formatter = CompletionFormatter(_request_id("cmpl"), server.model_name, server.tokenizer, len(prompt_ids),
+                                        body.n, body.logprobs, body.include_usage_in_stream)
+        return await server.respond(request, server.submit(prompt_ids, params), formatter, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatCompletionRequest, request: Request):
+        server.check_common(body)
+        prompt_ids = server.chat_prompt(body)
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = server.sampling_params(body, len(prompt_ids), max_tokens, top_logprobs, max_tokens is not None)
+        formatter = ChatFormatter(_request_id("chatcmpl"), server.model_name, server.tokenizer, len(prompt_ids),
+                                  body.n, top_logprobs, body.include_usage_in_stream)
+        return await server.respond(request, server.submit(prompt_ids, params), formatter, body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return api.ModelList(data=[api.ModelCard(id=server.model_name, max_model_len=server.max_model_len)])
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive:
+            return error_response(503, "the engine loop is not running", "server_error")
+        return {"status": "ok", "unfinished_requests": server.loop.num_unfinished}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+

@@ -1,0 +1,70 @@
+"""`ioattn serve`: load a model into an `LLMEngine` and serve it over HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_serve_command(subparsers) -> argparse.ArgumentParser:
+    serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--model", default="tiny", help="a local Hugging Face checkpoint folder or a preset (tiny, "
+                       "llama3-8b-shape)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--chat-template", default=None, help="a jinja file overriding the checkpoint's chat template")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="unfinished requests accepted at once; more are answered 429 (default 1024)")
+    serve.add_argument("--dtype", default="auto")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--num-blocks", type=int, default=None)
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    serve.add_argument("--max-num-seqs", type=int, default=256)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
+    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    serve.add_argument("--log-level", default="info")
+    return serve
+
+
+def build_app(args: argparse.Namespace):
+    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+    from ioattn.server.app import create_app
+    from ioattn.server.chat_template import ChatTemplate
+    from ioattn.server.engine_loop import DEFAULT_MAX_QUEUED_REQUESTS
+
+    config = EngineConfig(
+        dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager, device=args.device,
+    )
+    engine = LLMEngine(args.model, config)
+    return create_app(engine, served_model_name=args.served_model_name or args.model,
+                      chat_template=ChatTemplate.for_model(args.model, args.chat_template),
+                      max_queued_requests=args.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(args)
+    # One worker: the engine lives in this process. A long keep-alive spares load generators reconnects.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                backlog=4096)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ioattn")
+    add_serve_command(parser.add_subparsers(dest="command", required=True))
+    return run_serve(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

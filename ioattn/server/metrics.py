@@ -1,0 +1,101 @@
+"""Prometheus metrics of one server: engine state after every step, and per-request latencies.
+
+Gauges are set from the engine by the engine loop between steps (never while a step runs in its thread);
+counters move by the difference from the engine's cumulative counters; histograms observe each finished
+request's TTFT, TPOT and end-to-end latency from the engine's `RequestMetrics` (arrival = when the server
+received the request, so time queued in the server counts). Each app has its own registry, so several servers
+in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ioattn.engine.sequence import RequestOutput
+
+# Seconds; chosen to resolve both a CPU test model (seconds) and a GPU server (milliseconds).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = registry = CollectorRegistry()
+        self.requests_running = Gauge("ioattn_num_requests_running", "Requests with sequences in the running batch",
+                                      registry=registry)
+        self.requests_waiting = Gauge("ioattn_num_requests_waiting", "Requests queued for admission (or preempted "
+                                      "by recompute), including those not yet handed to the engine", registry=registry)
+        self.requests_swapped = Gauge("ioattn_num_requests_swapped", "Requests preempted to CPU blocks",
+                                      registry=registry)
+        self.kv_usage = Gauge("ioattn_kv_cache_usage_perc", "Used KV blocks, percent of the pool", registry=registry)
+        self.kv_blocks_used = Gauge("ioattn_kv_cache_blocks_used", "KV blocks held by sequences", registry=registry)
+        self.kv_blocks_total = Gauge("ioattn_kv_cache_blocks_total", "KV blocks in the pool", registry=registry)
+        self.prefix_hit_rate = Gauge("ioattn_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, "
+                                     "fraction of those looked up since start", registry=registry)
+        self.prefix_queries = Counter("ioattn_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=registry)
+        self.prefix_hits = Counter("ioattn_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=registry)
+        self.preemptions = Counter("ioattn_num_preemptions", "Sequences preempted (recompute or swap)",
+                                   registry=registry)
+        self.prompt_tokens = Counter("ioattn_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
+        self.generation_tokens = Counter("ioattn_generation_tokens", "Tokens generated", registry=registry)
+        self.requests_finished = Counter(
+            "ioattn_request_finished", "Requests finished, by reason of their first sample (stop, length; abort: "
+            "cancelled or disconnected clients; error: a failed engine step)", ["finish_reason"], registry=registry)
+        self.ttft = Histogram("ioattn_time_to_first_token_seconds", "Arrival to first token", registry=registry,
+                              buckets=TTFT_BUCKETS)
+        self.tpot = Histogram("ioattn_time_per_output_token_seconds", "Mean gap between a request's output tokens "
+                              "after the first", registry=registry, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram("ioattn_e2e_request_latency_seconds", "Arrival to last token", registry=registry,
+                             buckets=E2E_BUCKETS)
+        self._last_preemptions = 0
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+
+    def update_engine(self, engine, num_not_admitted: int) -> None:
+        """Engine state after a step; call only while no step is running."""
+        scheduler = engine.scheduler
+        self.requests_running.set(len({seq.request_id for seq in scheduler.running}))
+        self.requests_waiting.set(len({seq.request_id for seq in scheduler.waiting}) + num_not_admitted)
+        self.requests_swapped.set(len({seq.request_id for seq in scheduler.swapped}))
+        kv = engine.kv.stats()
+        self.kv_usage.set(100.0 * kv.blocks_used / kv.num_blocks)
+        self.kv_blocks_used.set(kv.blocks_used)
+        self.kv_blocks_total.set(kv.num_blocks)
+        self.prefix_hit_rate.set(kv.prefix_hit_rate)
+        self.prefix_queries.inc(kv.prefix_query_tokens - self._last_prefix_queries)
+        self.prefix_hits.inc(kv.prefix_hit_tokens - self._last_prefix_hits)
+        self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
+        self._last_prefix_queries, self._last_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
+        self._last_preemptions = scheduler.num_preemptions
+
+    def request_admitted(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def tokens_generated(self, count: int) -> None:
+        self.generation_tokens.inc(count)
+
+    def request_finished(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        reason = output.outputs[0].finish_reason if output.outputs else "error"
+        self.requests_finished.labels(finish_reason=reason or "unknown").inc()
+        if metrics.time_to_first_token is not None:
+            self.ttft.observe(metrics.time_to_first_token)
+        if metrics.finished_time is not None:
+            self.e2e.observe(metrics.finished_time - metrics.arrival_time)
+        for completion in output.outputs:
+            tpot = metrics.time_per_output_token(len(completion.token_ids))
+            if tpot is not None:
+                self.tpot.observe(tpot)
+
+    def request_aborted(self) -> None:
+        self.requests_finished.labels(finish_reason="abort").inc()
+
+    def request_failed(self) -> None:
+        self.requests_finished.labels(finish_reason="error").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
