@@ -63,18 +63,22 @@ class BwdConfig:
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
-    """Configurations worth timing on a GPU for this head dim and dtype, best guess first (the lead's tuner
-    picks one). Chosen from ptxas reports for sm_90 (bf16): these fit in 255 registers without spills, or
-    nearly; 4 warps with a 128-row resident tile spill heavily, and the fused-atomic dQ tile costs registers."""
+    """Configurations worth timing on a GPU for this head dim and dtype, fastest first (the first is the default).
+
+    Chosen from ptxas reports for sm_90 (bf16): these fit in 255 registers without spills, or nearly; 4 warps
+    with a 128-row resident tile spill heavily, and the fused-atomic dQ tile costs registers. Ordered by an
+    H200 timing (bf16, B·N = 16k, H·D = 2048, N = 2k and 16k; bench/results/2026-11-29-tune-bwd-h200.json):
+    the fused atomic dQ was slower than the separate dQ kernel on every shape (277 vs 364 TFLOP/s at D=128,
+    N=16k), so the default backward is also the deterministic one."""
     if interpreted():
         return [BwdConfig(16, 16, 16, 16, 4, 1, False), BwdConfig(16, 16, 16, 16, 4, 1, True)]
     row_bytes = head_dim_padded(head_dim) * dtype.itemsize
     if row_bytes <= 128:  # 16-bit D <= 64, fp32 D <= 32
-        return [BwdConfig(128, 64, 128, 64, 8, 3, False), BwdConfig(64, 64, 64, 64, 4, 3, False),
+        return [BwdConfig(64, 64, 64, 64, 4, 3, False), BwdConfig(128, 64, 128, 64, 8, 3, False),
                 BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 256:  # 16-bit D <= 128
-        return [BwdConfig(128, 32, 128, 32, 8, 3, False), BwdConfig(64, 64, 64, 64, 8, 3, False),
-                BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
+        return [BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, False),
+                BwdConfig(64, 64, 64, 64, 8, 3, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 512:  # 16-bit D <= 256, fp32 D <= 128
         return [BwdConfig(64, 32, 64, 32, 8, 2, False), BwdConfig(64, 64, 64, 64, 8, 2, False),
                 BwdConfig(64, 32, 64, 32, 8, 2, True)]

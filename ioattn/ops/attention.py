@@ -2,16 +2,32 @@
 
 Each checks its arguments first (ValueError naming the argument and the supported set), asks
 `ioattn.ops.dispatch` for a plan, and runs it inside a torch.autograd.Function whose forward saves only
-q, k, v, out and lse (the backward recomputes the rest).
+q, k, v, out and lse; the backward recomputes the score tiles from them (FlashAttention-2), so the memory of
+forward + backward grows linearly in N.
+
+Gradients: q, k, v (dK/dV of a GQA group summed over its query heads) and an additive float attn_mask that
+requires grad (in its own, possibly broadcast, shape and dtype); a bool mask has none. The LSE returned by
+return_lse=True is not differentiable: it does not require grad, and no gradient flows back through it.
+
+Deterministic backward (`deterministic=True`, or `None` with IOATTN_DETERMINISTIC=1 or
+torch.use_deterministic_algorithms(True)): no atomics, bitwise-identical gradients across runs. On the Triton
+path it turns off a config's fused dQ (`BwdConfig.atomic_dq`: dQ added with fp32 atomics inside the dK/dV
+kernel, 5 tile matmuls per (Q, K) tile pair) in favour of the separate dQ kernel (7 matmuls: S and dP are
+recomputed), and it reduces the gradient of an additive mask that broadcasts over batch or heads through an
+fp32 (B, Hq, Nq, Nk) buffer summed by torch instead of atomics. With a table config whose atomic_dq is off
+and no mask gradient it costs nothing. The torch path is always deterministic. `explain()` shows the mode.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
+from ioattn.kernels.prefill_bwd import BwdConfig, attention_bwd
 from ioattn.kernels.prefill_fwd import FwdConfig, launch_prefill_fwd
 from ioattn.ops import checks, dispatch, torch_backend
 from ioattn.ops.checks import AttentionInputs
+from ioattn.ops.torch_backward import attention_bwd_torch
 
 
 def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
@@ -35,11 +51,20 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
                        attn_mask=inputs.attn_mask)
 
 
+def _mask_for_backward(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The user's mask in a dtype the backward kernels read (bool, float32 or the inputs' dtype)."""
+    if attn_mask is None or attn_mask.dtype in (torch.bool, torch.float32, dtype):
+        return attn_mask
+    return attn_mask.to(torch.float32)
+
+
 class AttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of one attention forward; `sdpa_layout` returns out as (B, H, N, D) instead of (B, N, H, D)."""
+    """Autograd wrapper of one attention call; `sdpa_layout` means q/k/v/out are (B, H, N, D) instead of
+    (B, N, H, D). `attn_mask` is the user's mask as given (any broadcastable shape), an input so that an
+    additive mask requiring grad gets its gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, inputs: AttentionInputs, plan: dispatch.Plan, sdpa_layout: bool):
+    def forward(ctx, q, k, v, attn_mask, inputs: AttentionInputs, plan: dispatch.Plan, sdpa_layout: bool):
         if sdpa_layout:  # (B, H, N, D) storage, so the returned tensor is contiguous as PyTorch's is
             out_user = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             out_flash = out_user.transpose(1, 2)
@@ -51,24 +76,46 @@ class AttentionFunction(torch.autograd.Function):
             lse = torch.empty(inputs.q.shape[0], inputs.q.shape[2], inputs.q.shape[1], dtype=torch.float32,
                               device=q.device)
         _forward(inputs, plan, out_flash, lse)
-        ctx.save_for_backward(q, k, v, out_user, lse)
+        ctx.save_for_backward(q, k, v, out_user, lse, attn_mask)
         ctx.inputs, ctx.plan, ctx.sdpa_layout = inputs, plan, sdpa_layout
         ctx.mark_non_differentiable(lse)
         return out_user, lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError("backward lands with issue 3")
+        q, k, v, out, lse, attn_mask = ctx.saved_tensors
+        inputs, plan = ctx.inputs, ctx.plan
+        if ctx.sdpa_layout:
+            q, k, v, out, grad_out = (t.transpose(1, 2) for t in (q, k, v, out, grad_out))
+        mask_grad = ctx.needs_input_grad[3]
+        options = dict(
+            scale=inputs.softmax_scale, bottom_right=inputs.bottom_right,
+            window_size=(inputs.window_left, inputs.window_right),  # causal is already folded in
+            cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k, max_seqlen_q=inputs.max_seqlen_q,
+            max_seqlen_k=inputs.max_seqlen_k, attn_mask=_mask_for_backward(attn_mask, q.dtype), mask_grad=mask_grad,
+        )
+        if plan.backend == "torch":
+            dq, dk, dv, dmask = attention_bwd_torch(grad_out, q, k, v, out, lse, **options)
+        else:
+            dq, dk, dv, dmask = attention_bwd(grad_out, q, k, v, out, lse, deterministic=plan.deterministic,
+                                              config=plan.bwd_config, **options)
+        if ctx.sdpa_layout:
+            dq, dk, dv = (t.transpose(1, 2) for t in (dq, dk, dv))
+        if dmask is not None:
+            dmask = dmask.to(attn_mask.dtype)
+        return dq, dk, dv, dmask, None, None, None
 
 
-def _apply(q, k, v, inputs: AttentionInputs, backend: str, sdpa_layout: bool, config=None):
-    plan = dispatch.plan(inputs, backend, config)
+def _apply(q, k, v, inputs: AttentionInputs, backend: str, sdpa_layout: bool, deterministic: bool | None,
+           attn_mask=None, config: FwdConfig | None = None, bwd_config: BwdConfig | None = None):
+    plan = dispatch.plan(inputs, backend, config, deterministic, bwd_config)
     dispatch.log_once(inputs, plan)
-    return AttentionFunction.apply(q, k, v, inputs, plan, sdpa_layout)
+    return AttentionFunction.apply(q, k, v, attn_mask, inputs, plan, sdpa_layout)
 
 
 def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False,
-                    backend="auto"):
+                    deterministic=None, backend="auto"):
     """Exact attention with flash-attn's signature and layout.
 
     q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D); Hq a multiple of Hkv (GQA/MQA); D a multiple of 8 up to 256;
@@ -76,27 +123,32 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
     **bottom-right** as in flash-attn >= 2.1: query i sits at key position i + Nk - Nq. window_size is
     (left, right) with -1 unbounded; softmax_scale defaults to 1/sqrt(D). Rows that see no key return 0 and
     LSE -inf. Returns out (B, Nq, Hq, D), or (out, lse) with lse float32 natural log (B, Hq, Nq) when
-    return_lse=True. backend: "auto" (Triton on CUDA, exact tiled torch on CPU), "triton" or "torch".
+    return_lse=True (not differentiable). Differentiable in q, k, v; deterministic: True for a bitwise
+    reproducible backward (no atomics; see the module docstring for the cost), None for IOATTN_DETERMINISTIC=1
+    or torch.are_deterministic_algorithms_enabled(). backend: "auto" (Triton on CUDA, exact tiled torch on
+    CPU), "triton" or "torch".
     """
     checks.check_backend(backend)
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
-    out, lse = _apply(q, k, v, inputs, backend, sdpa_layout=False)
+    out, lse = _apply(q, k, v, inputs, backend, False, deterministic)
     return (out, lse) if return_lse else out
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                           window_size=(-1, -1), softmax_scale=None, return_lse=False, backend="auto"):
+                           window_size=(-1, -1), softmax_scale=None, return_lse=False, deterministic=None,
+                           backend="auto"):
     """Variable-length attention on packed sequences, flash-attn's signature.
 
     q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_q/k int32 (batch + 1,) prefix sums of the
     sequence lengths (zero-length sequences allowed); max_seqlen_q/k at least the longest sequence (on CUDA
     it is trusted, as in flash-attn). Causal/window aligned bottom-right per sequence. Returns out
-    (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse=True.
+    (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse=True (not differentiable).
+    Differentiable in q, k, v; `deterministic` and `backend` as in flash_attn_func.
     """
     checks.check_backend(backend)
     inputs = checks.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                     window_size, softmax_scale)
-    out, lse = _apply(q, k, v, inputs, backend, sdpa_layout=False)
+    out, lse = _apply(q, k, v, inputs, backend, False, deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -112,17 +164,23 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_
     fused backends do. Grouped-query key/value heads need enable_gqa=True. Dropout is not supported.
     A row whose mask allows no key (bool all False, or additive all -inf) returns 0 here, never NaN; PyTorch
     returns NaN there on some backends and versions.
+    Differentiable in query, key, value and an additive attn_mask that requires grad (its gradient comes back
+    in the mask's own shape). PyTorch's sdpa has no `deterministic` argument: the backward is deterministic
+    when IOATTN_DETERMINISTIC=1 or torch.use_deterministic_algorithms(True) is in effect.
     """
     checks.check_backend(backend)
     inputs = checks.validate_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    out, _ = _apply(query, key, value, inputs, backend, sdpa_layout=True)
+    out, _ = _apply(query, key, value, inputs, backend, True, None, attn_mask)
     return out
 
 
-def flash_attn_with_config(q, k, v, config: FwdConfig, causal=False, window_size=(-1, -1), softmax_scale=None):
-    """flash_attn_func on the Triton kernel with an explicit tile configuration instead of the tuned table.
+def flash_attn_with_config(q, k, v, config: FwdConfig | None, causal=False, window_size=(-1, -1), softmax_scale=None,
+                           bwd_config: BwdConfig | None = None, deterministic=None):
+    """flash_attn_func on the Triton kernels with explicit tile configurations instead of the tuned tables
+    (None keeps the table's choice).
 
-    For tuning and benchmarks: time every `dispatch.candidate_configs(D, dtype)` entry with it. Returns (out, lse).
+    For tuning and benchmarks: time every `dispatch.candidate_configs(D, dtype)` entry (forward) or
+    `prefill_bwd.candidate_configs(D, dtype)` entry (backward) with it. Returns (out, lse).
     """
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
-    return _apply(q, k, v, inputs, "triton", sdpa_layout=False, config=config)
+    return _apply(q, k, v, inputs, "triton", False, deterministic, config=config, bwd_config=bwd_config)

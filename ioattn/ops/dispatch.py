@@ -3,7 +3,8 @@
 backend="auto" picks the Triton kernel for CUDA tensors and the exact tiled torch path for CPU tensors.
 On CUDA nothing falls back silently: an input the Triton kernel cannot take raises. `explain(q, k, v, ...)`
 returns the plan (kernel, tile configuration, backend, copies, reason) without running anything, and
-IOATTN_LOG=1 logs each distinct plan once (logger "ioattn").
+IOATTN_LOG=1 logs each distinct plan once (logger "ioattn"). The plan covers the backward too: its kernel,
+tiles and whether it is deterministic.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import os
 import torch
 
 from ioattn.kernels import interpreted
+from ioattn.kernels.prefill_bwd import BwdConfig, default_config, deterministic_default
 from ioattn.kernels.prefill_fwd import FwdConfig, FwdProblem, head_dim_padded
-from ioattn.ops import checks, torch_backend
+from ioattn.ops import checks, torch_backend, torch_backward
 from ioattn.ops.checks import AttentionInputs
 
 logger = logging.getLogger("ioattn")
 
 TRITON_KERNEL = "ioattn.kernels.prefill_fwd.prefill_fwd_kernel"
 TORCH_KERNEL = "ioattn.ops.torch_backend.attention_forward"
+TRITON_BWD_KERNEL = "ioattn.kernels.prefill_bwd.attention_bwd (preprocess, dK/dV and dQ kernels)"
+TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
 HOPPER = (9, 0)
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -38,6 +42,14 @@ _HOPPER_16BIT: dict[tuple[int, bool], FwdConfig] = {
 }
 _INTERPRETER_CONFIG = FwdConfig(32, 32, 4, 1)  # small tiles keep the CPU interpreter quick
 
+# Hopper backward table for 16-bit inputs, keyed by padded head dim: the fastest candidates of an H200 timing
+# (bench/results/2026-11-29-tune-bwd-h200.json; D=256 not timed yet, its first register-checked candidate).
+_HOPPER_BWD_16BIT: dict[int, BwdConfig] = {
+    16: BwdConfig(64, 64, 64, 64, 4, 3, False), 32: BwdConfig(64, 64, 64, 64, 4, 3, False),
+    64: BwdConfig(64, 64, 64, 64, 4, 3, False), 128: BwdConfig(128, 64, 128, 64, 8, 2, False),
+    256: BwdConfig(64, 32, 64, 32, 8, 2, False),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -50,6 +62,9 @@ class Plan:
     copies: tuple[tuple[str, str], ...]  # (input name, why) for inputs copied to contiguous before the kernel
     reason: str
     torch_tiles: tuple[int, int] | None = None  # (block_m, block_n) of the torch backend
+    bwd_kernel: str = ""
+    bwd_config: BwdConfig | None = None  # Triton backward tiles (None for the torch backend)
+    deterministic: bool = False  # the backward avoids atomics and is bitwise reproducible
 
     def __str__(self) -> str:
         if self.config is not None:
@@ -66,8 +81,21 @@ class Plan:
             f"input_precision={p.input_precision}",
             f"inputs:  {self._copies_text()}",
             f"reason:  {self.reason}",
+            f"backward: {self.bwd_kernel}",
+            f"bwd tiles: {self.bwd_config if self.bwd_config is not None else f'block={torch_backward.BLOCK}'}",
+            f"bwd mode: {self._bwd_mode_text()}",
         ]
         return "\n".join(lines)
+
+    def _bwd_mode_text(self) -> str:
+        if self.bwd_config is None:
+            return "deterministic (tiled torch, fixed summation order)"
+        if self.deterministic:
+            return "deterministic (separate dQ kernel, no atomics anywhere; bitwise reproducible)"
+        if self.bwd_config.atomic_dq:
+            return "not deterministic (dQ added with fp32 atomics inside the dK/dV kernel)"
+        return ("separate dQ kernel, no atomics on dQ (a broadcast additive mask's gradient is still "
+                "reduced with atomics)")
 
     def _copies_text(self) -> str:
         if not self.copies:
@@ -91,6 +119,28 @@ def tuned_config(head_dim: int, dtype: torch.dtype, causal: bool, capability) ->
     if dtype == torch.float32:
         block = max(16, block // 2) if d_pad > 64 else block
     return FwdConfig(block, block, 4, 2), f"default rule (no tuned entry for sm{capability[0]}{capability[1]} {dtype})"
+
+
+def tuned_bwd_config(head_dim: int, dtype: torch.dtype, capability) -> tuple[BwdConfig, str]:
+    """The backward table entry for (head dim, dtype, device capability), and where it came from."""
+    if capability is None:
+        return default_config(head_dim, dtype), "backward: Triton interpreter on CPU, small tiles"
+    d_pad = head_dim_padded(head_dim)
+    if capability == HOPPER and dtype in _SIXTEEN_BIT:
+        return _HOPPER_BWD_16BIT[d_pad], f"backward: table sm90 (D_pad={d_pad})"
+    device = f"sm{capability[0]}{capability[1]}"
+    return default_config(head_dim, dtype), f"backward: prefill_bwd default (no table entry for {device} {dtype})"
+
+
+def resolve_deterministic(deterministic) -> bool:
+    """None (the default) means deterministic when IOATTN_DETERMINISTIC=1 or
+    torch.use_deterministic_algorithms(True) is in effect."""
+    if deterministic is None:
+        return deterministic_default() or torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic must be True, False or None (IOATTN_DETERMINISTIC / "
+                         f"torch.are_deterministic_algorithms_enabled()), got {deterministic!r}")
+    return deterministic
 
 
 HOPPER_SHARED_MEMORY = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
@@ -164,9 +214,12 @@ def _pack_gqa(inputs: AttentionInputs, config: FwdConfig) -> bool:
             and inputs.max_seqlen_q * 2 <= config.block_m)
 
 
-def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | None = None) -> Plan:
-    """Choose backend and tiles; an explicit `config` (tuning, benchmarks) replaces the table lookup."""
+def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | None = None,
+         deterministic: bool | None = None, bwd_config: BwdConfig | None = None) -> Plan:
+    """Choose backend and tiles; an explicit `config` / `bwd_config` (tuning, benchmarks) replaces the table
+    lookup of the forward / backward."""
     checks.check_backend(backend)
+    deterministic = resolve_deterministic(deterministic)
     q = inputs.q
     precision = "tf32" if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
     if backend == "auto":
@@ -178,7 +231,8 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
         problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, inputs.bottom_right,
                              "ieee", False)
         return Plan("torch", TORCH_KERNEL, None, problem, (), why + "; exact tiled torch forward",
-                    (torch_backend.DEFAULT_BLOCK_M, torch_backend.DEFAULT_BLOCK_N))
+                    (torch_backend.DEFAULT_BLOCK_M, torch_backend.DEFAULT_BLOCK_N), bwd_kernel=TORCH_BWD_KERNEL,
+                    deterministic=True)
     if q.device.type != "cuda" and not interpreted():
         raise ValueError(f"backend='triton' needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import")
     capability = device_capability(q.device)
@@ -195,7 +249,12 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
     pack_gqa = _pack_gqa(inputs, config)
     problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, inputs.bottom_right,
                          precision, pack_gqa)
-    return Plan("triton", TRITON_KERNEL, config, problem, copies, f"{why}; {source}")
+    if bwd_config is None:
+        bwd_config, bwd_source = tuned_bwd_config(q.shape[-1], q.dtype, capability)
+    else:
+        bwd_source = "backward: explicit config from the caller"
+    return Plan("triton", TRITON_KERNEL, config, problem, copies, f"{why}; {source}; {bwd_source}",
+                bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
 
 
 def describe_inputs(inputs: AttentionInputs) -> str:
@@ -238,6 +297,7 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
         else:
             api = "flash_attn"
     kwargs.pop("return_lse", None)
+    deterministic = kwargs.pop("deterministic", None) if api in ("flash_attn", "varlen") else None
     if api == "flash_attn":
         inputs = checks.validate_dense(q, k, v, kwargs.pop("causal", False), kwargs.pop("window_size", (-1, -1)),
                                        kwargs.pop("softmax_scale", None))
@@ -253,4 +313,4 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
         raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa' (or None to infer), got {api!r}")
     if kwargs:
         raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
-    return plan(inputs, backend)
+    return plan(inputs, backend, deterministic=deterministic)

@@ -49,19 +49,23 @@ def visible(
 
 
 def _dense_attention(q, k, v, allowed, bias, scale):
-    """q (Hq, Nq, D), k/v (Hkv, Nk, D) in float64; allowed broadcastable bool (.., Nq, Nk); bias additive."""
+    """q (Hq, Nq, D), k/v (Hkv, Nk, D) in float64; allowed broadcastable bool (.., Nq, Nk); bias additive.
+
+    Rows that see no key get their scores replaced by zeros before the softmax (and P = 0 after it), so
+    autograd through this function gives them zero gradient instead of NaN from logsumexp(-inf, ..., -inf).
+    """
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
     s = torch.einsum("hqd,hkd->hqk", q, k) * scale
     if bias is not None:
         s = s + bias
-    s = s.masked_fill(~allowed, NEG_INF)
-    lse = torch.logsumexp(s, dim=-1)
-    empty = torch.isneginf(lse)
-    p = torch.exp(s - torch.where(empty, 0.0, lse)[..., None])
-    p = p.masked_fill(empty[..., None], 0.0)
-    return torch.einsum("hqk,hkd->hqd", p, v), lse
+    allowed = allowed.expand(s.shape)
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    s = torch.where(allowed, s, NEG_INF).masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse).masked_fill(empty, 0.0)
+    return torch.einsum("hqk,hkd->hqd", p, v), lse.masked_fill(empty, NEG_INF).squeeze(-1)
 
 
 def _check_heads(hq: int, hkv: int) -> None:
@@ -82,35 +86,44 @@ def attention_ref(
     softmax_scale: float | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    differentiable: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 attention with every option the kernels have; returns (out float64, lse float64).
 
     attn_mask: bool (True = attend, as PyTorch) or additive float, broadcastable to (B, Hq, Nq, Nk); it is
     combined with causal/window. Not supported with varlen (as in flash-attn).
+    differentiable: keep q, k, v and an additive attn_mask in the autograd graph (they are detached
+    otherwise), so float64 autograd gives the reference gradients; pass float64 leaves to get float64
+    gradients. Rows that see no key get zero gradient, never NaN.
     """
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    q64, k64, v64 = (t.detach().to(torch.float64) for t in (q, k, v))
+
+    def as_float64(t: torch.Tensor) -> torch.Tensor:
+        return (t if differentiable else t.detach()).to(torch.float64)
+
+    q64, k64, v64 = (as_float64(t) for t in (q, k, v))
     _check_heads(q.shape[-2], k.shape[-2])
     rules = dict(causal=causal, window_size=window_size, sink_tokens=sink_tokens, causal_align=causal_align)
 
     if cu_seqlens_q is not None:
         if attn_mask is not None:
             raise ValueError("attn_mask is not supported with varlen (cu_seqlens) inputs")
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float64, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[0]), NEG_INF, dtype=torch.float64, device=q.device)
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        outs, lses = [], []
         for b in range(len(cq) - 1):
             qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
-            if qe == qs:
-                continue
             allowed = visible(qe - qs, ke - ks, device=q.device, **rules)
             o_b, l_b = _dense_attention(
                 q64[qs:qe].transpose(0, 1), k64[ks:ke].transpose(0, 1), v64[ks:ke].transpose(0, 1), allowed, None, scale
             )
-            out[qs:qe] = o_b.transpose(0, 1)
-            lse[:, qs:qe] = l_b
-        return out, lse
+            outs.append(o_b.transpose(0, 1))
+            lses.append(l_b)
+        # rows past cu_seqlens_q[-1] belong to no sequence: output 0, LSE -inf
+        tail = q.shape[0] - cq[-1]
+        outs.append(torch.zeros(tail, q.shape[1], v.shape[-1], dtype=torch.float64, device=q.device))
+        lses.append(torch.full((q.shape[1], tail), NEG_INF, dtype=torch.float64, device=q.device))
+        return torch.cat(outs), torch.cat(lses, dim=1)
 
     batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
     allowed = visible(n_q, n_k, device=q.device, **rules).expand(batch, 1, n_q, n_k)
@@ -120,7 +133,7 @@ def attention_ref(
         if mask.dtype == torch.bool:
             allowed = allowed & mask
         else:
-            bias = mask.detach().to(torch.float64).expand(batch, q.shape[2], n_q, n_k)
+            bias = as_float64(mask).expand(batch, q.shape[2], n_q, n_k)
             allowed = allowed & ~torch.isneginf(bias)
     allowed = allowed.expand(batch, q.shape[2], n_q, n_k)
     outs, lses = [], []

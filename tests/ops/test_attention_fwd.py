@@ -128,13 +128,6 @@ def test_strided_inputs(index):
         assert rel_error(out, attention_ref(q, k, v, causal=True)[0]) < 1e-5
 
 
-def test_backward_not_yet_implemented():
-    q, k, v = (t.requires_grad_() for t in qkv(1, 4, 4, 1, 1, 8))
-    out = ioattn.flash_attn_func(q, k, v)
-    with pytest.raises(NotImplementedError, match="issue 3"):
-        out.sum().backward()
-
-
 def _bad_calls():
     q, k, v = qkv(1, 4, 4, 2, 2, 16)
     i = torch.randn(6, 2, 16)

@@ -1,30 +1,14 @@
-"""Training smoke test on CPU: a tiny two-layer causal transformer trained for 100 steps with ioattn's
-forward + the tiled torch backward ends where the same model trained with PyTorch's SDPA ends."""
+"""Training smoke test on CPU: a tiny two-layer causal transformer trained for 100 steps through
+`ioattn.flash_attn_func`'s autograd (on CPU tensors: the tiled torch forward and the recomputing backward)
+ends where the same model trained with PyTorch's SDPA ends."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ioattn
-from ioattn.ops.torch_backward import attention_bwd_torch
 
 VOCAB, WIDTH, HEADS, LAYERS, SEQ, BATCH, STEPS = 16, 32, 2, 2, 24, 16, 100
-
-
-class IoattnCausalAttention(torch.autograd.Function):
-    """(B, N, H, D) causal attention: ioattn's torch forward, saving o and lse; the recomputing backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out, lse = ioattn.flash_attn_func(q, k, v, causal=True, return_lse=True, backend="torch")
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, _ = attention_bwd_torch(grad_out, q, k, v, out, lse, scale=q.shape[-1] ** -0.5, causal=True)
-        return dq, dk, dv
 
 
 class Block(torch.nn.Module):
@@ -40,7 +24,7 @@ class Block(torch.nn.Module):
         batch, seq, _ = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(batch, seq, 3, HEADS, WIDTH // HEADS).unbind(2)
         if self.use_ioattn:
-            attn = IoattnCausalAttention.apply(q, k, v)
+            attn = ioattn.flash_attn_func(q, k, v, causal=True)
         else:
             attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                   is_causal=True).transpose(1, 2)
