@@ -1,11 +1,19 @@
-"""The README's main job: check every kernel path against the float64 reference, then a quick benchmark.
+"""The README's main job: check every kernel path against the float64 reference, a quick benchmark, then the
+serving engine on the `tiny` model.
 
 On a CPU-only machine the Triton kernels run in Triton's interpreter (small shapes) and the torch backend runs
-natively; on CUDA the same checks run compiled, bf16 included. Exit status 1 if any path misses its tolerance.
+natively; on CUDA the same checks run compiled, bf16 included. Exit status 1 if any path misses its tolerance
+or the engine leaves a KV block in use.
+
+The engine demo (`engine_demo`) sends a batch of prompts sharing a long system prompt through continuous
+batching with chunked prefill, into a KV pool deliberately too small for the whole batch: it shows prefix-cache
+hits on the shared blocks, preemptions (by recompute) and the pool's utilization, and that every block is free
+again at the end.
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 import time
@@ -112,7 +120,134 @@ def main() -> int:
     print("every path matches the float64 reference\n", flush=True)
     from ioattn.bench.prefill import main as bench_prefill
 
-    return bench_prefill(["--quick"]) or 0
+    bench_status = bench_prefill(["--quick"]) or 0
+    print(flush=True)
+    report = engine_demo(device=device, out=lambda line: print(line, flush=True))
+    return bench_status or (0 if report["blocks_used_after"] == 0 else 1)
+
+
+# -- the serving engine ----------------------------------------------------------------------------------------
+
+SYSTEM_SENTENCES = (
+    "You are the support assistant of a small observatory. ",
+    "Answer in one or two sentences, plainly and exactly. ",
+    "When a question needs a number, give the number first and its unit after it. ",
+    "If you do not know the answer, say so rather than guess. ",
+    "Never invent opening hours, prices or the names of staff. ",
+)
+QUESTIONS = (
+    "When is the next full moon?", "Can children visit the dome?", "How large is the main telescope?",
+    "Is there parking nearby?", "Do you run night tours in winter?", "What should I wear on the roof?",
+    "Can I bring my own camera?", "How far away is Saturn tonight?", "Is the site wheelchair accessible?",
+    "What is a light year?", "Why do stars twinkle?", "How cold does the dome get?",
+)
+
+
+def _system_prompt(tokenizer, min_tokens: int) -> str:
+    """The shared system prompt: whole sentences, repeated until it is at least `min_tokens` long."""
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < min_tokens:
+        text += SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)]
+        i += 1
+    return text
+
+
+def engine_demo(
+    num_prompts: int = 24,
+    system_prompt_tokens: int = 224,
+    max_tokens: int = 64,
+    pool_fraction: float = 0.4,
+    max_num_batched_tokens: int = 256,
+    device: str | None = None,
+    out: Callable[[str], None] = print,
+) -> dict:
+    """Run the batch on `tiny` and report (through `out`, and as the returned dict) output tokens/s, KV
+    utilization, prefix hits, preemptions and one sample completion.
+
+    The pool gets `pool_fraction` of the blocks the whole batch would hold if every request ran at once (the
+    system prompt's full blocks counted once), so continuous batching must preempt; prompts longer than
+    `max_num_batched_tokens` are prefilled in chunks.
+    """
+    from ioattn.engine import EngineConfig, LLMEngine, SamplingParams
+    from ioattn.models.loader import load_model
+
+    loaded = load_model("tiny", device=device)
+    system = _system_prompt(loaded.tokenizer, system_prompt_tokens)
+    prompts = [f"{system}Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(num_prompts)]
+    longest = max(len(loaded.tokenizer.encode(p)) for p in prompts) + max_tokens
+    block_size = 16
+    blocks_per_request = math.ceil(longest / block_size)
+    shared_blocks = len(loaded.tokenizer.encode(system)) // block_size
+    batch_need = shared_blocks + num_prompts * (blocks_per_request - shared_blocks)
+    # The watermark (1% of the pool) is kept free at admission; one whole request must still fit besides it.
+    num_blocks = max(math.ceil(pool_fraction * batch_need), blocks_per_request + 2)
+    config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=longest,
+                          max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=True, enable_prefix_caching=True, preemption_mode="recompute")
+    engine = LLMEngine(loaded, config)
+    where = str(engine.runner.device)
+    out(f"ioattn engine demo on {where}: {num_prompts} requests on `tiny` (random weights), a shared "
+        f"{len(loaded.tokenizer.encode(system))}-token system prompt, {max_tokens} output tokens each\n"
+        f"  KV pool {num_blocks} blocks x {block_size} tokens ({pool_fraction:.0%} of the {batch_need} blocks the "
+        f"whole batch would hold at once, system prompt shared); chunked prefill at "
+        f"{max_num_batched_tokens} tokens per step; prefix caching on; preemption by recompute")
+
+    # One short request first, outside the timing, so that kernel compilation on CUDA is not counted as serving.
+    engine.add_request("warm-up", "warm-up", SamplingParams(max_tokens=2))
+    for _ in engine.stream():
+        pass
+    before = engine.stats()
+
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(f"demo-{i}", prompt, params)
+    occupancy, slot_use, finished = [], [], {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        kv = engine.kv.stats()
+        occupancy.append(kv.blocks_used / kv.num_blocks)
+        if kv.slots_allocated:
+            slot_use.append(kv.utilization)
+    elapsed = time.perf_counter() - start
+
+    stats = engine.stats()
+    kv = stats["kv"]
+    # Counters since the warm-up.
+    prefix_query_tokens = kv.prefix_query_tokens - before["kv"].prefix_query_tokens
+    prefix_hit_tokens = kv.prefix_hit_tokens - before["kv"].prefix_hit_tokens
+    output_tokens = sum(len(c.token_ids) for o in finished.values() for c in o.outputs)
+    report = {
+        "device": where,
+        "requests": len(finished),
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "steps": stats["steps"] - before["steps"],
+        "num_blocks": num_blocks,
+        "peak_pool_occupancy": max(occupancy),
+        "mean_pool_occupancy": sum(occupancy) / len(occupancy),
+        "mean_slot_utilization": sum(slot_use) / len(slot_use) if slot_use else 1.0,
+        "prefix_query_tokens": prefix_query_tokens,
+        "prefix_hit_tokens": prefix_hit_tokens,
+        "prefix_hit_rate": prefix_hit_tokens / prefix_query_tokens,
+        "resume_hit_tokens": kv.resume_hit_tokens - before["kv"].resume_hit_tokens,
+        "preemptions": stats["preemptions"] - before["preemptions"],
+        "blocks_used_after": kv.blocks_used,
+        "sample": finished["demo-0"].outputs[0].text,
+    }
+    out(f"  {report['requests']} requests, {output_tokens} output tokens in {elapsed:.1f} s over "
+        f"{report['steps']} steps: {report['output_tokens_per_s']:.1f} output tok/s")
+    out(f"  KV pool occupancy: peak {report['peak_pool_occupancy']:.0%}, mean {report['mean_pool_occupancy']:.0%} "
+        f"of blocks; slot utilization in used blocks {report['mean_slot_utilization']:.1%} (mean over steps)")
+    out(f"  prefix cache: {prefix_hit_tokens} of {prefix_query_tokens} prompt tokens hit "
+        f"({report['prefix_hit_rate']:.0%}); preempted requests found {report['resume_hit_tokens']} tokens cached "
+        "on resume")
+    out(f"  preemptions: {report['preemptions']}; blocks still used after the run: {kv.blocks_used}")
+    out(f"  sample completion of request 0 (tiny's weights are random, so it is noise): {report['sample'][:80]!r}")
+    return report
 
 
 if __name__ == "__main__":

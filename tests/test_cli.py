@@ -1,0 +1,149 @@
+"""The command line: `ioattn generate` on tiny, help texts, `explain`, and the README demo's engine part."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ioattn.cli import _benchmarks, main
+from ioattn.demo import engine_demo
+
+
+def test_generate_greedy_n2_prints_each_completion_with_timings(capsys):
+    status = main(["generate", "--model", "tiny", "--prompt", "The sky is", "--prompt", "Hello",
+                   "--temperature", "0", "--n", "2", "--max-tokens", "5"])
+    stdout = capsys.readouterr().out
+    assert status == 0
+    for name in ("[0.0]", "[0.1]", "[1.0]", "[1.1]", "finish_reason=length", "5 tokens", "TTFT", "end-to-end"):
+        assert name in stdout
+    assert "2 request(s), 20 output tokens" in stdout
+
+
+def test_generate_json_greedy_samples_agree_and_match_a_single_run(capsys):
+    argv = ["generate", "--prompt", "abc", "--temperature", "0", "--max-tokens", "6", "--logprobs", "2", "--json"]
+    assert main(argv + ["--n", "2"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    (result,) = doc["results"]
+    first, second = result["completions"]
+    assert first["token_ids"] == second["token_ids"] and len(first["token_ids"]) == 6
+    assert first["finish_reason"] == "length" and result["error"] is None
+    assert len(first["logprobs"]) == 6 and all(len(step) in (2, 3) for step in first["logprobs"])
+    assert result["time_to_first_token_s"] > 0 and result["end_to_end_s"] >= result["time_to_first_token_s"]
+    assert doc["summary"]["output_tokens"] == 12
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["completions"][0]["token_ids"] == first["token_ids"]
+
+
+def test_generate_beam_search_and_prompts_file(tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    assert main(["generate", "--prompts-file", str(prompts), "--beam-width", "2", "--max-tokens", "3", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["prompt"] for r in results] == ["first prompt", "second prompt"]
+    assert all(len(r["completions"]) == 2 for r in results)
+
+
+def test_generate_a_refused_prompt_fails_alone_with_exit_1(capsys):
+    status = main(["generate", "--max-model-len", "8", "--prompt", "a prompt past eight tokens", "--prompt", "hi",
+                   "--temperature", "0", "--max-tokens", "3"])
+    stdout = capsys.readouterr().out
+    assert status == 1
+    assert "error: prompt is 27 tokens, longer than max_model_len (8)" in stdout
+    assert "[1.0] finish_reason=length" in stdout
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--beam-width", "2", "--temperature", "0.5"], "--temperature cannot be used with --beam-width"),
+        (["--model", "/no/such/model"], "neither a checkpoint folder nor a preset"),
+    ],
+)
+def test_generate_bad_values_exit_2_with_the_message(flags, message, capsys):
+    assert main(["generate", "--prompt", "hi", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_generate_bad_temperature_from_the_console_exits_2_without_traceback():
+    result = subprocess.run([sys.executable, "-m", "ioattn.cli", "generate", "--prompt", "hi", "--temperature", "-0.5"],
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert result.returncode == 2
+    assert "ioattn generate: error: temperature must be >= 0, got -0.5" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_help_lists_commands_and_benchmarks(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    top = capsys.readouterr().out
+    for command in ("demo", "generate", "serve", "bench", "explain"):
+        assert command in top
+    assert main(["bench", "--help"]) == 0
+    bench_help = capsys.readouterr().out
+    assert set(_benchmarks()) >= {"prefill", "decode", "kv"}
+    assert all(name in top and name in bench_help for name in _benchmarks())
+    assert main(["bench"]) == 2
+
+
+def test_help_needs_no_server_dependencies():
+    """`ioattn --help` must work where fastapi/uvicorn are not installed: block their import and ask for help."""
+    code = ("import sys\n"
+            "for name in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client'): sys.modules[name] = None\n"
+            "from ioattn.cli import main\n"
+            "main(['--help'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "serve" in result.stdout and "generate" in result.stdout
+
+
+def test_serve_subcommand_is_wired(monkeypatch):
+    import ioattn.server.cli as server_cli
+
+    seen = {}
+
+    def run_serve(args):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr(server_cli, "run_serve", run_serve)
+    assert main(["serve", "--model", "tiny", "--port", "8123"]) == 0
+    assert seen["args"].port == 8123 and seen["args"].model == "tiny"
+
+
+def test_explain_prints_the_kernel(capsys):
+    assert main(["explain", "--seqlen-q", "128", "--head-dim", "64", "--dtype", "float32", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "kernel:" in text and "reason:" in text and "window=(-1, 0)" in text
+
+
+def test_engine_demo_preempts_and_hits_the_prefix_cache():
+    lines = []
+    report = engine_demo(num_prompts=6, system_prompt_tokens=48, max_tokens=24, max_num_batched_tokens=64,
+                         pool_fraction=0.3, out=lines.append)
+    assert report["requests"] == 6 and report["output_tokens"] == 6 * 24
+    assert report["preemptions"] > 0
+    assert report["prefix_hit_tokens"] > 0 and 0 < report["prefix_hit_rate"] < 1
+    assert report["blocks_used_after"] == 0
+    assert report["peak_pool_occupancy"] <= 1
+    text = "\n".join(lines)
+    for name in ("output tok/s", "KV pool occupancy", "prefix cache", "preemptions", "sample completion"):
+        assert name in text
+
+
+@pytest.mark.gpu
+def test_engine_demo_default_settings_on_cuda():
+    """What `ioattn demo` runs on the device: the full batch, bf16, compiled kernels and CUDA graphs."""
+    report = engine_demo(device="cuda", out=lambda line: None)
+    assert report["device"].startswith("cuda")
+    assert report["requests"] == 24 and report["output_tokens"] == 24 * 64
+    assert report["preemptions"] > 0 and report["prefix_hit_tokens"] > 0
+    assert report["blocks_used_after"] == 0
