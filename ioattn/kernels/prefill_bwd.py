@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ioattn.kernels import interpreted
-from ioattn.kernels.prefill_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, _ensure_allocator, head_dim_padded
+from ioattn.kernels.prefill_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, ensure_allocator, head_dim_padded
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = tl.constexpr(LOG2E)  # scores live in base 2 inside the kernels
@@ -486,7 +486,7 @@ def attention_bwd(
     _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask)
     if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
         raise ValueError("mask_grad needs an additive (floating-point) attn_mask")
-    _ensure_allocator()
+    ensure_allocator()
     head_dim = q.shape[-1]
     config = config or default_config(head_dim, q.dtype)
     atomic_dq = config.atomic_dq and not deterministic

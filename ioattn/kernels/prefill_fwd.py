@@ -18,6 +18,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation  # the allocator's ContextVar (pinned triton 3.6)
 
 from ioattn.kernels import interpreted
 
@@ -241,15 +242,14 @@ def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-_ALLOCATOR_SET = False
+def ensure_allocator() -> None:
+    """Device-side tensor descriptors live in global scratch memory that Triton asks the host to allocate.
 
-
-def _ensure_allocator() -> None:
-    """Device-side tensor descriptors live in global scratch memory that Triton asks the host to allocate."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET and not interpreted():
+    Triton keeps its allocator in a ContextVar, so every thread needs its own (autograd runs the backward in a
+    thread of its own); an allocator the caller set is left in place.
+    """
+    if not interpreted() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_descriptor_scratch)
-        _ALLOCATOR_SET = True
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -278,7 +278,7 @@ def launch_prefill_fwd(
     (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
     aligned base and strides): the caller checks them and copies when they do not.
     """
-    _ensure_allocator()
+    ensure_allocator()
     varlen = cu_seqlens_q is not None
     if varlen:
         batch = cu_seqlens_q.numel() - 1

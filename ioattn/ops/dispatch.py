@@ -40,6 +40,12 @@ _HOPPER_16BIT: dict[tuple[int, bool], FwdConfig] = {
     (128, False): FwdConfig(128, 64, 4, 2), (128, True): FwdConfig(128, 64, 4, 2),
     (256, False): FwdConfig(128, 64, 8, 2), (256, True): FwdConfig(128, 64, 8, 2),
 }
+# Short causal queries at small head dims have too few tiles per row for 128-wide K/V tiles to pay
+# (H200, D=64, N=2048: 64x64 306 TFLOP/s against 286 for 64x128; bench/results/2026-11-29-fwd-fma.md).
+SHORT_SEQLEN = 2048
+_HOPPER_16BIT_SHORT: dict[tuple[int, bool], FwdConfig] = {
+    (16, True): FwdConfig(64, 64, 4, 2), (32, True): FwdConfig(64, 64, 4, 2), (64, True): FwdConfig(64, 64, 4, 2),
+}
 _INTERPRETER_CONFIG = FwdConfig(32, 32, 4, 1)  # small tiles keep the CPU interpreter quick
 
 # Hopper backward table for 16-bit inputs, keyed by padded head dim: the fastest candidates of an H200 timing
@@ -107,12 +113,17 @@ def device_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
-def tuned_config(head_dim: int, dtype: torch.dtype, causal: bool, capability) -> tuple[FwdConfig, str]:
-    """The table entry for (head dim, dtype, causal, device capability), and where it came from."""
+def tuned_config(head_dim: int, dtype: torch.dtype, causal: bool, capability,
+                 max_seqlen_q: int | None = None) -> tuple[FwdConfig, str]:
+    """The table entry for (head dim, dtype, causal, device capability, short or long queries), and its source."""
     if capability is None:
         return _INTERPRETER_CONFIG, "Triton interpreter on CPU: small tiles"
     d_pad = head_dim_padded(head_dim)
     if capability == HOPPER and dtype in _SIXTEEN_BIT:
+        short = max_seqlen_q is not None and max_seqlen_q <= SHORT_SEQLEN
+        if short and (d_pad, causal) in _HOPPER_16BIT_SHORT:
+            return (_HOPPER_16BIT_SHORT[(d_pad, causal)],
+                    f"tuned table sm90 (D_pad={d_pad}, causal={causal}, Nq <= {SHORT_SEQLEN})")
         return _HOPPER_16BIT[(d_pad, causal)], f"tuned table sm90 (D_pad={d_pad}, causal={causal})"
     # fp32 tiles take twice the shared memory; other GPUs get conservative Ampere-class sizes
     block = 64 if d_pad <= 128 else 32
@@ -238,7 +249,7 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
     capability = device_capability(q.device)
     causal = inputs.window_right == 0 and inputs.window_left < 0
     if config is None:
-        config, source = tuned_config(q.shape[-1], q.dtype, causal, capability)
+        config, source = tuned_config(q.shape[-1], q.dtype, causal, capability, inputs.max_seqlen_q)
         if capability is not None:
             config, note = _fit_shared_memory(config, inputs)
             source += note

@@ -135,3 +135,11 @@ def test_dense_mask_drops_stages_to_fit_shared_memory():
     assert dispatch.shared_memory_estimate(fitted, 64, torch.float32, torch.float32) > 0
     unmasked = checks.validate_sdpa(q, k, v, None, False, None, False)
     assert dispatch._fit_shared_memory(FwdConfig(128, 128, 4, 3), unmasked) == (FwdConfig(128, 128, 4, 3), "")
+
+
+def test_short_causal_queries_get_their_own_tiles():
+    long_config, _ = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, 16384)
+    short_config, source = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, dispatch.SHORT_SEQLEN)
+    assert short_config != long_config and f"Nq <= {dispatch.SHORT_SEQLEN}" in source
+    assert dispatch.tuned_config(128, torch.bfloat16, True, dispatch.HOPPER, 512)[0] == \
+        dispatch.tuned_config(128, torch.bfloat16, True, dispatch.HOPPER, 16384)[0]
