@@ -57,7 +57,9 @@ def default_config(*, decode: bool, head_dim: int, dtype: torch.dtype = torch.bf
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
     if decode:
-        return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
+        # H200, bf16, 32/8 heads, D=128, unsplit: 64-key tiles with 2 stages read 4.21 TB/s at B=64 L=8k against
+        # 3.92 with 3 stages (bench/results/2026-11-29-tune-decode-h200.json)
+        return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
     if head_dim <= 128:
         return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
