@@ -6,14 +6,18 @@ Three measurements, all pure Python, no GPU:
    `--block-size` token slots), FCFS admission, one decode token per running request per step. Policies:
    - `paged`: `KVCacheManager` (blocks on demand, watermark 1%, preemption by recompute of the newest request
      when a decode step finds no block);
-   - `contiguous-max`: one contiguous slab of `--max-len` slots per request (pre-vLLM systems, vLLM paper's
-     "Orca (Max)");
+   - `contiguous-max`: one contiguous slab of max-len slots per request (pre-vLLM systems, vLLM paper's
+     "Orca (Max)"), run once per max-len of `--max-lens`;
    - `contiguous-pow2`: a slab of the next power of two >= the request's true final length ("Orca (Pow2)":
      at most 2x over-reservation, and it assumes the output length is known);
    - `contiguous-oracle`: a slab of exactly the final length ("Orca (Oracle)", unattainable: an upper bound).
    Slabs are placed first-fit in one address space, so external fragmentation is real, not assumed away.
    Reported over the *saturated* steps (requests waiting after admission): utilization = tokens stored /
    slots allocated (ratio of sums over steps), occupancy = tokens stored / budget, resident = mean running.
+   Per workload and max-len, each policy's resident requests over contiguous-max's, next to the arithmetic
+   bound max-len / (mean tokens a resident request holds, measured on the paged run): even with zero waste,
+   an allocator holds budget / mean resident tokens requests and contiguous-max holds budget / max-len, so
+   paged's ratio is its occupancy times this bound.
 2. **Shared system prompt** (agentic use): a few preambles of 1k-4k tokens, each request one preamble plus
    its own message; prefix-cache hit rate, prefill tokens saved against the ideal (every full preamble block
    hit after its first request), and resident requests with and without prefix caching.
@@ -26,9 +30,13 @@ Workloads. `sharegpt`: log-normal prompt and output lengths with the means the v
 ShareGPT (Kwon et al., SOSP 2023, Fig. 11: 161.31 input and 337.99 output tokens on average); the paper
 gives histograms, not parameters, so sigma (1.0 prompt, 0.8 output) is our assumption for a long right tail;
 mu = ln(mean) - sigma^2 / 2 keeps the mean. `uniform`: prompt and output lengths uniform in [100, 1024]. Both
-are clipped to prompt + output <= `--max-len` (2048, the vLLM paper's OPT setting). The realised means are
-reported. Paging's utilization does not depend on the spread; max-length reservation's waste depends on the
-mean length against max-len, which is why the resident-request ratio differs between the workloads.
+are clipped to prompt + output <= the smallest of `--max-lens` (default 2048, the vLLM paper's OPT setting;
+4096 is Llama-2's context, 8192 Llama-3-8B's, the model of the serving benchmark), so every max-len serves
+the same requests and only contiguous-max's slab changes. The realised means are reported. Paging's
+utilization does not depend on the spread; max-length reservation's waste depends on the mean length against
+max-len, which is why the resident-request ratio differs between the workloads and grows with max-len.
+`contiguous-pow2` and `contiguous-oracle` size their slabs on the true final length (at most the smallest
+max-len), so they do not depend on max-len: they run once per workload.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from ioattn.kv import KVCacheManager
 SHAREGPT_MEAN_PROMPT, SHAREGPT_MEAN_OUTPUT = 161.31, 337.99
 SHAREGPT_SIGMA_PROMPT, SHAREGPT_SIGMA_OUTPUT = 1.0, 0.8
 BARS = {"utilization": 0.96, "resident_vs_max": 3.0, "block_ops_per_s": 200_000}
+# The vLLM paper's OPT setting, Llama-2's context, Llama-3-8B's (the serving benchmark's model).
+DEFAULT_MAX_LENS = (2048, 4096, 8192)
 
 
 @dataclass
@@ -127,6 +137,7 @@ class Tally:
             "utilization": self.tokens / self.allocated if self.allocated else None,
             "occupancy": self.tokens / (budget * steps),
             "resident": self.running / steps,
+            "mean_resident_tokens": self.tokens / self.running if self.running else None,
             "saturated_steps": self.steps,
         }
 
@@ -245,15 +256,15 @@ def simulate_contiguous(requests: list[Request], budget: int, slab_size) -> dict
 
 
 def utilization_rows(args, rng: random.Random) -> list[dict]:
+    """One row per (workload, policy), contiguous-max once per max-len (its `max_len`; None elsewhere)."""
     budget = args.num_blocks * args.block_size
-    policies = {
-        "contiguous-max": lambda r: args.max_len,
+    fixed_policies = {
         "contiguous-pow2": lambda r: 1 << (r.final_len - 1).bit_length(),
         "contiguous-oracle": lambda r: r.final_len,
     }
     rows = []
     for workload in ("sharegpt", "uniform"):
-        requests = make_workload(workload, args.requests, args.max_len, rng)
+        requests = make_workload(workload, args.requests, min(args.max_lens), rng)
         shape = {
             "workload": workload,
             "mean_prompt": sum(len(r.prompt) for r in requests) / len(requests),
@@ -261,13 +272,35 @@ def utilization_rows(args, rng: random.Random) -> list[dict]:
         }
         paged = simulate_paged(requests, args.num_blocks, args.block_size, prefix_caching=False)
         paged.pop("stats")
-        rows.append({**shape, "policy": "paged", **paged})
-        for policy, slab_size in policies.items():
-            rows.append({**shape, "policy": policy, **simulate_contiguous(requests, budget, slab_size)})
-    for row in rows:
-        reference = next(r for r in rows if r["workload"] == row["workload"] and r["policy"] == "contiguous-max")
-        row["resident_vs_max"] = row["resident"] / reference["resident"]
+        rows.append({**shape, "policy": "paged", "max_len": None, **paged})
+        for max_len in args.max_lens:
+            result = simulate_contiguous(requests, budget, lambda r, slab=max_len: slab)
+            rows.append({**shape, "policy": "contiguous-max", "max_len": max_len, **result})
+        for policy, slab_size in fixed_policies.items():
+            result = simulate_contiguous(requests, budget, slab_size)
+            rows.append({**shape, "policy": policy, "max_len": None, **result})
     return rows
+
+
+def max_len_rows(rows: list[dict], budget: int) -> list[dict]:
+    """Per workload and max-len: each policy's resident requests over contiguous-max's, and the bound.
+
+    The bound is the requests a zero-waste allocator would hold, budget / (paged's mean tokens per resident
+    request), over contiguous-max's budget // max-len: max-len / mean tokens when max-len divides the budget.
+    Paged's ratio is its occupancy times the bound.
+    """
+    table = []
+    for reference in (r for r in rows if r["policy"] == "contiguous-max"):
+        same = {r["policy"]: r for r in rows if r["workload"] == reference["workload"] and r["max_len"] is None}
+        table.append({
+            "workload": reference["workload"],
+            "max_len": reference["max_len"],
+            "max_utilization": reference["utilization"],
+            "max_resident": reference["resident"],
+            **{f"{policy}_vs_max": row["resident"] / reference["resident"] for policy, row in same.items()},
+            "bound_vs_max": budget / same["paged"]["mean_resident_tokens"] / reference["resident"],
+        })
+    return table
 
 
 def shared_prefix_result(args, rng: random.Random) -> dict:
@@ -349,6 +382,7 @@ def append_call_rate(block_size: int, seconds: float) -> dict:
 def run(args) -> dict:
     rng = random.Random(args.seed)
     rows = utilization_rows(args, rng)
+    by_max_len = max_len_rows(rows, args.num_blocks * args.block_size)
     shared = shared_prefix_result(args, rng)
     throughput = {
         **bulk_block_op_rate(args.block_size, args.seconds),
@@ -358,36 +392,61 @@ def run(args) -> dict:
     bars = {
         "utilization >= 96% (both workloads)": min(r["utilization"] for r in paged) >= BARS["utilization"],
         **{
-            f"resident >= 3x contiguous-max ({r['workload']})": r["resident_vs_max"] >= BARS["resident_vs_max"]
-            for r in paged
+            f"resident >= 3x contiguous-max ({r['workload']}, max-len {r['max_len']})":
+                r["paged_vs_max"] >= BARS["resident_vs_max"]
+            for r in by_max_len
         },
         ">= 200k block ops/s": throughput["block_ops_per_s"] >= BARS["block_ops_per_s"],
     }
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "out")}
     # Rates are wall-clock on a shared machine: record how busy it was.
     settings["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
-    return {"settings": settings, "utilization": rows, "shared_prefix": shared, "throughput": throughput,
-            "bars": bars}
+    return {"settings": settings, "utilization": rows, "by_max_len": by_max_len, "shared_prefix": shared,
+            "throughput": throughput, "bars": bars}
 
 
 def to_markdown(result: dict) -> str:
     from ioattn.bench.harness import markdown_table
 
     util = markdown_table(
-        ["workload", "mean prompt", "mean output", "policy", "utilization", "occupancy", "resident", "x max-len",
-         "preemptions", "ms/step"],
-        [[r["workload"], r["mean_prompt"], r["mean_output"], r["policy"], r["utilization"], r["occupancy"],
-          r["resident"], r["resident_vs_max"], r.get("preemptions", 0), r.get("ms_per_step")]
+        ["workload", "mean prompt", "mean output", "policy", "max-len", "utilization", "occupancy", "resident",
+         "tokens / resident", "preemptions", "ms/step"],
+        [[r["workload"], r["mean_prompt"], r["mean_output"], r["policy"], r["max_len"], r["utilization"],
+          r["occupancy"], r["resident"], r["mean_resident_tokens"], r.get("preemptions", 0), r.get("ms_per_step")]
          for r in result["utilization"]],
     )
+    per_workload = []
+    for workload in dict.fromkeys(r["workload"] for r in result["by_max_len"]):
+        paged = next(r for r in result["utilization"] if r["workload"] == workload and r["policy"] == "paged")
+        per_workload += [
+            f"`{workload}`: resident requests over contiguous-max at each max-len; bound = max-len / "
+            f"{paged['mean_resident_tokens']:.0f} mean tokens per resident request (paged run)",
+            markdown_table(
+                ["max-len", "contiguous-max utilization", "contiguous-max resident", "paged ÷ max", "pow2 ÷ max",
+                 "oracle ÷ max", "bound ÷ max"],
+                [[r["max_len"], r["max_utilization"], r["max_resident"], r["paged_vs_max"],
+                  r["contiguous-pow2_vs_max"], r["contiguous-oracle_vs_max"], r["bound_vs_max"]]
+                 for r in result["by_max_len"] if r["workload"] == workload],
+            ),
+        ]
     shared = result["shared_prefix"]
     prefix = markdown_table(["metric", "value"], list(shared.items()))
     speed = markdown_table(["metric", "value"], list(result["throughput"].items()))
     bars = markdown_table(["bar", "met"], list(result["bars"].items()))
     return "\n\n".join([
-        "KV utilization and resident requests at one budget (saturated steps)", util,
+        "KV utilization and resident requests at one budget (saturated steps)", util, *per_workload,
         "Shared system prompt", prefix, "Manager throughput (pure Python, this CPU)", speed, "Bars", bars,
     ])
+
+
+def _max_lens(text: str) -> tuple[int, ...]:
+    try:
+        lengths = sorted({int(part) for part in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--max-lens must be comma-separated integers, got {text!r}") from None
+    if lengths[0] < 2:
+        raise argparse.ArgumentTypeError(f"--max-lens must all be >= 2 (a prompt token and an output), got {text!r}")
+    return tuple(lengths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=1500, help="requests per workload")
     parser.add_argument("--num-blocks", type=int, default=4096, help="GPU blocks: the memory budget")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-len", type=int, default=2048, help="model context: contiguous-max's slab")
+    parser.add_argument("--max-lens", type=_max_lens, default=DEFAULT_MAX_LENS,
+                        help="comma-separated model contexts: contiguous-max's slab, one run each; the workloads "
+                             "are clipped to the smallest (default 2048,4096,8192)")
     parser.add_argument("--preambles", type=int, default=8, help="distinct system prompts (shared-prefix run)")
     parser.add_argument("--shared-max-len", type=int, default=8192, help="context in the shared-prefix run")
     parser.add_argument("--seconds", type=float, default=2.0, help="per throughput measurement")
@@ -403,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-kv-cpu.{json,md} with the disclosure")
     args = parser.parse_args(argv)
-    longest = max(args.max_len, args.shared_max_len)
+    longest = max(*args.max_lens, args.shared_max_len)
     if (args.num_blocks - int(0.01 * args.num_blocks)) * args.block_size < longest:
         parser.error(f"--num-blocks x --block-size must hold the longest request ({longest} tokens)")
 
