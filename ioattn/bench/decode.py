@@ -358,32 +358,20 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], prefill: list[Row]) -
 # --- command line -------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _heads(text: str) -> list[tuple[int, int]]:
     return [tuple(int(h) for h in pair.split("/")) for pair in text.split(",") if pair.strip()]
-
-
-def _names(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
-    return names
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ioattn bench decode", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few small rows (runs on the CPU too)")
-    p.add_argument("--batches", type=_ints, help="B values (default 1,8,64,256)")
-    p.add_argument("--seqlens", type=_ints, help="L values (default 1024,4096,16384,32768)")
-    p.add_argument("--long-seqlens", type=_ints, help="extra L values at B=1 (default 131072)")
+    p.add_argument("--batches", type=harness.int_list, help="B values (default 1,8,64,256)")
+    p.add_argument("--seqlens", type=harness.int_list, help="L values (default 1024,4096,16384,32768)")
+    p.add_argument("--long-seqlens", type=harness.int_list, help="extra L values at B=1 (default 131072)")
     p.add_argument("--heads", type=_heads, help="Hq/Hkv pairs (default 32/8,32/32)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", help="bfloat16 (CUDA default) / float16 / float32 (CPU default)")
-    p.add_argument("--backends", type=_names, help=f"any of {', '.join(BACKENDS)}")
+    p.add_argument("--backends", type=harness.name_list(BACKENDS), help=f"any of {', '.join(BACKENDS)}")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="chunked-prefill rows (default: on with CUDA)")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="new tokens = cached tokens (default 4096)")
@@ -391,13 +379,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-kv-gib", type=float, default=60.0, help="skip cases whose K+V exceed this")
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
-    p.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--out", help="directory for <date>-decode-<device>.{json,md}")
-    p.add_argument("--json", help="write rows and disclosure as JSON here")
-    p.add_argument("--md", help="write the markdown report here")
+    harness.add_run_args(p, budget_s=480.0, out_help="directory for <date>-decode-<device>.{json,md}")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = harness.default_device(args.device)
     cuda = args.device.startswith("cuda")
     if args.quick:
         defaults = dict(batches=[1, 8], seqlens=[1024, 4096], long_seqlens=[], heads=[(32, 8)]) if cuda else \
@@ -440,9 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     print(harness.disclosure_markdown(meta), flush=True)
     rows: list[Row] = []
     for index, case in enumerate(cases, 1):
-        if time.monotonic() - started > args.budget_s:
-            meta["settings"]["not_run"] = [c.label() for c in cases[index - 1:]]
-            print(f"time budget of {args.budget_s:.0f} s spent: {len(cases) - index + 1} cases not run", flush=True)
+        if harness.budget_spent(started, args.budget_s, meta, cases[index - 1:]):
             break
         for row in run_case(case, args, meta["ceilings"]):
             rows.append(row)
@@ -454,13 +436,5 @@ def main(argv: list[str] | None = None) -> int:
     prefill = run_prefill(args, meta["ceilings"]) if args.prefill else []
     report = render_markdown(meta, rows, prefill)
     print(report, flush=True)
-    paths = harness.dated_paths(args.out, "decode", harness.device_tag(meta["disclosure"])) if args.out else {}
-    json_path, md_path = args.json or paths.get("json"), args.md or paths.get("md")
-    if json_path:
-        harness.write_json(json_path, meta, rows + prefill)
-    if md_path:
-        harness.write_text(md_path, report)
-    for path in (json_path, md_path):
-        if path:
-            print(f"wrote {path}", flush=True)
+    harness.write_outputs(args, "decode", meta, rows + prefill, report)
     return 0

@@ -21,6 +21,7 @@ harness does not also rotate. On CPU, timing is `time.perf_counter` medians and 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -404,3 +405,64 @@ def dated_paths(out_dir: str | Path, name: str, tag: str) -> dict[str, Path]:
     """out_dir/<UTC date>-<name>-<tag>.{json,md,png}, e.g. 2026-11-29-prefill-h200.json."""
     stem = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}-{name}-{tag}"
     return {ext: Path(out_dir) / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+
+
+# --- command line and output, shared by the `ioattn bench` modules ------------------------------------------
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: "1,8,64" -> [1, 8, 64]."""
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """argparse type: a comma-separated list of backend names, each one of `known`."""
+
+    def parse(text: str) -> list[str]:
+        names = [x.strip() for x in text.split(",") if x.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown backends {unknown}; choose from {', '.join(known)}")
+        return names
+
+    return parse
+
+
+def add_run_args(parser: argparse.ArgumentParser, budget_s: float, out_help: str) -> None:
+    """--budget-s, --device and the output flags (--out, --json, --md) every case-sweeping benchmark takes."""
+    parser.add_argument("--budget-s", type=float, default=budget_s,
+                        help="stop starting new cases after this many seconds")
+    parser.add_argument("--device", help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--out", help=out_help)
+    parser.add_argument("--json", help="write rows and disclosure as JSON here")
+    parser.add_argument("--md", help="write the markdown report here")
+
+
+def default_device(device: str | None) -> str:
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def budget_spent(started: float, budget_s: float, meta: dict[str, Any], not_run: Sequence[Any]) -> bool:
+    """True once `budget_s` seconds have passed since `started` (time.monotonic()); then the labels of the
+    cases `not_run` are recorded in meta["settings"]["not_run"] and the cut is printed."""
+    if time.monotonic() - started <= budget_s:
+        return False
+    meta["settings"]["not_run"] = [case.label() for case in not_run]
+    print(f"time budget of {budget_s:.0f} s spent: {len(not_run)} cases not run", flush=True)
+    return True
+
+
+def write_outputs(args: argparse.Namespace, name: str, meta: dict[str, Any], rows: Sequence[Row],
+                  report: str) -> dict[str, str | Path | None]:
+    """Write the JSON (meta and rows) and the markdown report where --json / --md say, else under --out with
+    dated names. Returns the paths by extension ("json", "md", "png"; None where nothing goes), so a caller
+    can draw the PNG."""
+    dated = dated_paths(args.out, name, device_tag(meta["disclosure"])) if args.out else {}
+    paths = {"json": args.json or dated.get("json"), "md": args.md or dated.get("md"), "png": dated.get("png")}
+    if paths["json"]:
+        write_json(paths["json"], meta, rows)
+        print(f"wrote {paths['json']}", flush=True)
+    if paths["md"]:
+        write_text(paths["md"], report)
+        print(f"wrote {paths['md']}", flush=True)
+    return paths

@@ -438,10 +438,6 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], growth: list[dict[str
 # --- command line -------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _bools(text: str) -> list[bool]:
     names = {"yes": True, "true": True, "1": True, "causal": True,
              "no": False, "false": False, "0": False, "full": False}
@@ -451,39 +447,27 @@ def _bools(text: str) -> list[bool]:
         raise argparse.ArgumentTypeError(f"--causal takes a list of yes/no, got {text!r}") from exc
 
 
-def _names(text: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; choose from {', '.join(BACKENDS)}")
-    return names
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ioattn bench prefill", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a handful of small rows (CPU: fp32 through the torch backend)")
     p.add_argument("--backward", action="store_true",
                    help="time backward and forward+backward; gradients' error; peak memory at N and 2N")
-    p.add_argument("--dims", type=_ints, help="head dims, e.g. 64,128")
-    p.add_argument("--seqlens", type=_ints, help="sequence lengths N, e.g. 2048,4096")
+    p.add_argument("--dims", type=harness.int_list, help="head dims, e.g. 64,128")
+    p.add_argument("--seqlens", type=harness.int_list, help="sequence lengths N, e.g. 2048,4096")
     p.add_argument("--causal", type=_bools, default=[False, True], help="no,yes (default both)")
-    p.add_argument("--gqa", type=_ints, help="Hq/Hkv ratios (default: 1, and 4 at D=128)")
+    p.add_argument("--gqa", type=harness.int_list, help="Hq/Hkv ratios (default: 1, and 4 at D=128)")
     p.add_argument("--dtype", type=lambda t: [harness.dtype_name(harness.parse_dtype(x)) for x in t.split(",")],
                    help="bfloat16 (CUDA default), float16, float32 (CPU default)")
-    p.add_argument("--backends", type=_names, help=f"any of {', '.join(BACKENDS)}")
+    p.add_argument("--backends", type=harness.name_list(BACKENDS), help=f"any of {', '.join(BACKENDS)}")
     p.add_argument("--tokens", type=int, help="B·N per case (default 16384 on CUDA)")
     p.add_argument("--model-dim", type=int, help="H·D per case (default 2048 on CUDA)")
     p.add_argument("--ioattn-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--warmup-ms", type=float)
     p.add_argument("--rep-ms", type=float)
-    p.add_argument("--budget-s", type=float, default=390.0, help="stop starting new cases after this many seconds")
-    p.add_argument("--device", help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--out", help="directory for <date>-prefill[-backward]-<device>.{json,md,png}")
-    p.add_argument("--json", help="write rows and disclosure as JSON here")
-    p.add_argument("--md", help="write the markdown report here")
+    harness.add_run_args(p, budget_s=390.0, out_help="directory for <date>-prefill[-backward]-<device>.{json,md,png}")
     p.add_argument("--plot", help="write a PNG of TFLOP/s against N per backend here")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.device = harness.default_device(args.device)
     cuda = args.device.startswith("cuda")
     for key, value in _defaults(cuda, args.quick, args.backward).items():
         name = {"dtypes": "dtype"}.get(key, key)
@@ -530,9 +514,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     for index, case in enumerate(cases, 1):
-        if time.monotonic() - started > args.budget_s:
-            meta["settings"]["not_run"] = [c.label() for c in cases[index - 1:]]
-            print(f"time budget of {args.budget_s:.0f} s spent: {len(cases) - index + 1} cases not run", flush=True)
+        if harness.budget_spent(started, args.budget_s, meta, cases[index - 1:]):
             break
         qkv, dout = _random_inputs(case, args.device)
         if args.backward:
@@ -567,16 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     report = render_markdown(meta, rows, growth, args.backends)
     print(report, flush=True)
-    paths = harness.dated_paths(args.out, "prefill" + ("-backward" if args.backward else ""),
-                                harness.device_tag(disclosure)) if args.out else {}
-    json_path, md_path, png_path = (args.json or paths.get("json"), args.md or paths.get("md"),
-                                    args.plot or paths.get("png"))
-    if json_path:
-        harness.write_json(json_path, meta, rows)
-        print(f"wrote {json_path}", flush=True)
-    if md_path:
-        harness.write_text(md_path, report)
-        print(f"wrote {md_path}", flush=True)
+    paths = harness.write_outputs(args, "prefill" + ("-backward" if args.backward else ""), meta, rows, report)
+    json_path, png_path = paths["json"], args.plot or paths["png"]
     if png_path:
         try:
             from ioattn.bench.plot import plot_rates

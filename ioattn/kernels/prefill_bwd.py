@@ -276,7 +276,7 @@ def _dq_steps(
         cols = start + tl.arange(0, BLOCK_N)
         k = k_desc.load([start, 0])
         v = v_desc.load([start, 0])
-        p, ds = _recompute(
+        _, ds = _recompute(
             q, k, v, do, lse2, delta, rows, cols, seqlen_q, seqlen_k, diag, window_left, window_right,
             mask_bh, stride_mm, stride_mn, qk_scale, False, MASKED, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
             INPUT_PRECISION,
@@ -384,7 +384,10 @@ def attention_bwd_preprocess_kernel(
     tl.store(record_ptrs, records, mask=valid[:, None])
 
 
-def _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask) -> None:
+def check_bwd_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
+                   mask_grad) -> None:
+    """ValueError naming the argument for anything neither backward (this one or
+    `ioattn.ops.torch_backward.attention_bwd_torch`) supports."""
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q.dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
     for name, t in (("k", k), ("v", v), ("o", o), ("do", do), ("lse", lse)):
@@ -426,6 +429,8 @@ def _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         raise ValueError(f"lse must have shape {expected_lse}, got {tuple(lse.shape)}")
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, q.dtype, torch.float32):
         raise ValueError(f"attn_mask.dtype must be torch.bool, torch.float32 or q.dtype, got {attn_mask.dtype}")
+    if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
+        raise ValueError("mask_grad needs an additive (floating-point) attn_mask")
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -445,7 +450,7 @@ def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like).copy_(t)
 
 
-def _window(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+def fold_causal(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     """Fold causal into the right window bound; -1 means unbounded."""
     left, right = window_size
     if causal:
@@ -483,9 +488,7 @@ def attention_bwd(
     mask, in the mask's shape and dtype) is computed only when `mask_grad`, else None. `deterministic` forces
     the separate dQ kernel and no atomics anywhere (see the module docstring for the cost).
     """
-    _check(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask)
-    if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
-        raise ValueError("mask_grad needs an additive (floating-point) attn_mask")
+    check_bwd_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask, mask_grad)
     ensure_allocator()
     head_dim = q.shape[-1]
     config = config or default_config(head_dim, q.dtype)
@@ -513,7 +516,7 @@ def attention_bwd(
         strides_s = stats.stride()[:3]
         cu_q = cu_k = lse  # unused placeholders
     num_heads, num_kv_heads = q.shape[-2], k.shape[-2]
-    left, right = _window(causal, window_size)
+    left, right = fold_causal(causal, window_size)
     common = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), VARLEN=varlen, BOTTOM_RIGHT=bottom_right,
         LEFT_BOUNDED=left >= 0, RIGHT_BOUNDED=right >= 0,

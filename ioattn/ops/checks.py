@@ -152,14 +152,22 @@ def check_backend(backend) -> None:
         raise ValueError(f"backend must be one of 'auto', 'triton', 'torch'; got {backend!r}")
 
 
+def check_dense_qkv(names: tuple[str, str, str], tensors, layout: str) -> None:
+    """q, k, v as 4-D tensors of one dtype and device in `layout`, k and v alike, batch (dim 0) and head dim
+    (dim 3) as q's."""
+    check_dtypes_and_devices(names, tensors)
+    for name, t in zip(names, tensors):
+        check_ndim(name, t, 4, layout)
+    (q_name, k_name, v_name), (q, k, v) = names, tensors
+    check_same_shape(k_name, k, v_name, v)
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{k_name}.shape {tuple(k.shape)} must match {q_name}.shape {tuple(q.shape)} in batch and "
+                         "head dim")
+
+
 def validate_dense(q, k, v, causal, window_size, softmax_scale) -> AttentionInputs:
     """flash_attn_func: q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), causal aligned bottom-right."""
-    check_dtypes_and_devices(("q", "k", "v"), (q, k, v))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_ndim(name, t, 4, "(batch, seqlen, nheads, headdim)")
-    check_same_shape("k", k, "v", v)
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k.shape {tuple(k.shape)} must match q.shape {tuple(q.shape)} in batch and head dim")
+    check_dense_qkv(("q", "k", "v"), (q, k, v), "(batch, seqlen, nheads, headdim)")
     check_head_dim(q.shape[3])
     check_heads(q.shape[2], k.shape[2])
     left, right = normalized_window(window_size, causal)
@@ -189,12 +197,7 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 def validate_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> AttentionInputs:
     """sdpa: (B, H, N, D) like torch.nn.functional.scaled_dot_product_attention, causal aligned top-left."""
-    check_dtypes_and_devices(("query", "key", "value"), (query, key, value))
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        check_ndim(name, t, 4, "(batch, nheads, seqlen, headdim)")
-    check_same_shape("key", key, "value", value)
-    if key.shape[0] != query.shape[0] or key.shape[3] != query.shape[3]:
-        raise ValueError(f"key.shape {tuple(key.shape)} must match query.shape {tuple(query.shape)} in batch and head dim")
+    check_dense_qkv(("query", "key", "value"), (query, key, value), "(batch, nheads, seqlen, headdim)")
     check_head_dim(query.shape[3], "query")
     if key.shape[1] != query.shape[1]:
         if not enable_gqa:

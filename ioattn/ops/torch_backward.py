@@ -3,13 +3,15 @@
 The same algorithm as the Triton kernels (`ioattn.kernels.prefill_bwd`): only o and the natural-log lse were
 saved; P is recomputed one (query block, key block) tile at a time, so memory stays linear in N (the largest
 temporary is B x Hq x block x block). Blocks that no query can see under causal / window rules are skipped.
-Sums run in a fixed order, so the result is always deterministic. Computes in float32 (float64 for float64
-inputs) and returns gradients in the input dtypes.
+Sums run in a fixed order, so the result is always deterministic. Computes in float32 and returns gradients in
+the input dtypes.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ioattn.kernels.prefill_bwd import check_bwd_args, fold_causal
 
 BLOCK = 128
 
@@ -28,7 +30,7 @@ def _block_visibility(rows, cols, diag, left, right):
 def _sequence_bwd(do, q, k, v, o, lse, bias, bool_mask, dbias, scale, diag, left, right, block):
     """One batch of equal-length sequences. q/o/do (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), lse (B, Hq, Nq);
     bias / bool_mask (B, Hq, Nq, Nk) views or None; dbias None or a buffer in the mask's 4-d broadcast shape.
-    Returns dq, dk, dv in the compute dtype."""
+    Returns dq, dk, dv in float32."""
     batch, n_q, hq, head_dim = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -94,19 +96,13 @@ def attention_bwd_torch(
     mask_grad: bool = False,
     block: int = BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dq, dk, dv, dmask) with the arguments and layouts of `ioattn.kernels.prefill_bwd.attention_bwd`
-    (max_seqlen_* are accepted for symmetry; the torch path reads lengths from cu_seqlens). dmask, the gradient
-    of an additive mask in its own (broadcast) shape, only when `mask_grad`; a bool mask gets none."""
-    if mask_grad and (attn_mask is None or attn_mask.dtype == torch.bool):
-        raise ValueError("mask_grad needs an additive (floating-point) attn_mask")
-    if cu_seqlens_q is not None and attn_mask is not None:
-        raise ValueError("attn_mask is not supported with varlen (cu_seqlens) inputs")
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    do_c, q_c, k_c, v_c, o_c = (t.to(compute) for t in (do, q, k, v, o))
-    lse_c = lse.to(compute)
-    left, right = window_size
-    if causal:
-        right = 0 if right < 0 else min(right, 0)
+    """(dq, dk, dv, dmask) with the arguments, layouts and argument checks of
+    `ioattn.kernels.prefill_bwd.attention_bwd` (max_seqlen_* are only checked: the torch path reads lengths from
+    cu_seqlens). dmask, the gradient of an additive mask in its own (broadcast) shape, only when `mask_grad`; a
+    bool mask gets none."""
+    check_bwd_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask, mask_grad)
+    do_c, q_c, k_c, v_c, o_c, lse_c = (t.float() for t in (do, q, k, v, o, lse))
+    left, right = fold_causal(causal, window_size)
 
     if cu_seqlens_q is not None:
         dq, dk, dv = torch.zeros_like(q_c), torch.zeros_like(k_c), torch.zeros_like(v_c)
@@ -132,9 +128,9 @@ def attention_bwd_torch(
         if attn_mask.dtype == torch.bool:
             bool_mask = mask4.expand(full_shape)
         else:
-            bias = mask4.to(compute).expand(full_shape)
+            bias = mask4.float().expand(full_shape)
     if mask_grad:
-        dbias = torch.zeros(mask4.shape, dtype=compute, device=q.device)
+        dbias = torch.zeros(mask4.shape, dtype=torch.float32, device=q.device)
     diag = n_k - n_q if bottom_right else 0
     dq, dk, dv = _sequence_bwd(do_c, q_c, k_c, v_c, o_c, lse_c, bias, bool_mask, dbias, scale, diag, left, right, block)
     dmask = dbias.reshape(attn_mask.shape).to(attn_mask.dtype) if mask_grad else None

@@ -1,9 +1,12 @@
-"""The benchmark harness on CPU: FLOP counting, tables, JSON, statuses, and `ioattn bench prefill` end to end.
+"""The benchmark harness on CPU: FLOP counting, tables, JSON, statuses, the command-line helpers, and
+`ioattn bench prefill` / `decode` end to end.
 
 Nothing here times anything against a threshold: the timings only have to exist and be positive.
 """
 
+import argparse
 import json
+import time
 import warnings
 
 import pytest
@@ -200,6 +203,18 @@ def test_prefill_reports_an_unsupported_backward_and_goes_on(tmp_path, monkeypat
     assert all(r.status == "ok" for r in rows if r.backend != "ioattn")
 
 
+def test_decode_runs_end_to_end_on_cpu(tmp_path):
+    from ioattn.bench import decode
+
+    argv = ["--quick", "--batches", "1", "--seqlens", "64", "--heads", "2/1", "--backends", "ioattn-paged",
+            "--out", str(tmp_path)]
+    assert decode.main(argv) == 0
+    (json_path,) = tmp_path.glob("*-decode-cpu.json")
+    _, rows = harness.read_json(json_path)
+    assert rows and all(r.status == "ok" and r.ms > 0 and r.error < TOLERANCE[torch.float32] for r in rows)
+    assert json_path.with_suffix(".md").exists()
+
+
 def test_prefill_rejects_unknown_backends():
     with pytest.raises(SystemExit):
         prefill.parse_args(["--backends", "ioattn,cudnn-9000"])
@@ -248,3 +263,32 @@ def test_bench_prefill_on_the_gpu_with_every_peer(tmp_path, backward):
             assert row.status.startswith(("unsupported: ", "skipped: ")), row.status
     if backward:
         assert {e["backend"] for e in meta["memory_growth"]} == set(prefill.DEFAULT_BACKENDS["cuda"])
+
+
+def test_command_line_helpers(tmp_path, capsys):
+    assert harness.int_list("1, 8,,64") == [1, 8, 64]
+    assert harness.name_list(("a", "b"))("b,a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown backends \['c'\]"):
+        harness.name_list(("a", "b"))("a,c")
+
+    class Case:
+        def __init__(self, n):
+            self.n = n
+
+        def label(self):
+            return f"N{self.n}"
+
+    meta = {"settings": {}, "disclosure": {"gpu": "none", "cpu": "x"}}
+    assert not harness.budget_spent(time.monotonic(), 60.0, meta, [Case(1)])
+    assert harness.budget_spent(time.monotonic() - 2.0, 1.0, meta, [Case(1), Case(2)])
+    assert meta["settings"]["not_run"] == ["N1", "N2"] and "2 cases not run" in capsys.readouterr().out
+
+    rows = [Row(case={"N": 1}, backend="b", used="u", ms=1.0, rate=2.0)]
+    parser = argparse.ArgumentParser()
+    harness.add_run_args(parser, budget_s=5.0, out_help="directory")
+    args = parser.parse_args(["--out", str(tmp_path), "--md", str(tmp_path / "explicit.md")])
+    assert args.budget_s == 5.0 and harness.default_device(args.device) in ("cpu", "cuda")
+    paths = harness.write_outputs(args, "probe", meta, rows, "# report\n")
+    assert paths["md"] == str(tmp_path / "explicit.md") and (tmp_path / "explicit.md").read_text() == "# report\n"
+    assert paths["json"].name.endswith("-probe-cpu.json") and paths["png"].suffix == ".png"
+    assert harness.read_json(paths["json"])[1] == rows and not paths["png"].exists()

@@ -52,6 +52,21 @@ def padded_batch(lengths, seq_len, side, device="cpu"):
     return input_ids.masked_fill(attention_mask == 0, 0), attention_mask
 
 
+def real_token_logits_error(model_class, config, input_ids, attention_mask, device):
+    """Relative error of the ioattn model's logits against eager's (same weights), on real tokens only:
+    left-padding query rows see no key, where ioattn returns 0 and eager an average over padding; both are
+    padding that no real token reads."""
+    # Eager in float64 is no reference here: it takes its softmax in float32, where float64's finfo.min mask
+    # becomes -inf and a fully masked (left-padding) row turns NaN, which later layers spread to every token.
+    logits = {}
+    for implementation in ("ioattn", "eager"):
+        model = build(model_class, config, implementation, device=device)
+        with torch.no_grad():
+            logits[implementation] = model(input_ids, attention_mask=attention_mask).logits
+    real = attention_mask.bool()
+    return rel_error(logits["ioattn"][real], logits["eager"][real])
+
+
 @pytest.fixture(params=["auto", "triton"], ids=lambda backend: f"backend={backend}")
 def sdpa_calls(request, monkeypatch):
     """Runs the integration's `ioattn.sdpa` calls on one backend (on CPU: auto = the exact torch path, triton =
@@ -79,17 +94,7 @@ def test_register_adds_attention_and_mask_functions():
 def test_llama_logits_match_eager(lengths, sdpa_calls, device):
     config = llama_config()
     input_ids, attention_mask = padded_batch(lengths, 12, "left", device)
-    model = build(transformers.LlamaForCausalLM, config, "ioattn", device=device)
-    # Eager in float64 is no reference here: it takes its softmax in float32, where float64's finfo.min mask
-    # becomes -inf and a fully masked (left-padding) row turns NaN, which later layers spread to every token.
-    eager = build(transformers.LlamaForCausalLM, config, "eager", device=device)
-    with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask).logits
-        ref = eager(input_ids, attention_mask=attention_mask).logits
-    # Left-padding query rows see no key: ioattn returns 0 there, eager an average over padding; both are
-    # padding that no real token reads, so only real tokens are compared.
-    real = attention_mask.bool()
-    assert rel_error(logits[real], ref[real]) < 1e-5
+    assert real_token_logits_error(transformers.LlamaForCausalLM, config, input_ids, attention_mask, device) < 1e-5
     padded = min(lengths) < 12
     assert sdpa_calls == [(not padded, torch.bool if padded else None, True)] * config.num_hidden_layers
 
@@ -136,13 +141,7 @@ def test_mistral_sliding_window_matches_eager(sdpa_calls, device):
     """A sliding window reaches the kernel as a dense bool mask built by transformers."""
     config = llama_config(transformers.MistralConfig, sliding_window=4)
     input_ids, attention_mask = padded_batch((10, 6), 10, "left", device)
-    model = build(transformers.MistralForCausalLM, config, "ioattn", device=device)
-    eager = build(transformers.MistralForCausalLM, config, "eager", device=device)
-    with torch.no_grad():
-        logits = model(input_ids, attention_mask=attention_mask).logits
-        ref = eager(input_ids, attention_mask=attention_mask).logits
-    real = attention_mask.bool()
-    assert rel_error(logits[real], ref[real]) < 1e-5
+    assert real_token_logits_error(transformers.MistralForCausalLM, config, input_ids, attention_mask, device) < 1e-5
     assert sdpa_calls == [(False, torch.bool, True)] * config.num_hidden_layers
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 import ioattn
 from ioattn.ops import checks, torch_backend
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
+from ops_helpers import argument_error_test
 
 BACKENDS = ["torch", "triton"]
 
@@ -155,11 +156,7 @@ def _bad_calls():
     ]
 
 
-@pytest.mark.parametrize("index", range(len(_bad_calls())))
-def test_argument_errors(index):
-    words, call = _bad_calls()[index]
-    with pytest.raises(ValueError, match=words):
-        call()
+test_argument_errors = argument_error_test(_bad_calls)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import ioattn
 from ioattn.reference import TOLERANCE, rel_error, sdpa_ref
+from ops_helpers import argument_error_test
 
 BACKENDS = ["torch", "triton"]
 MASK_SHAPES = {
@@ -105,11 +106,7 @@ def _bad_calls():
     ]
 
 
-@pytest.mark.parametrize("index", range(len(_bad_calls())))
-def test_argument_errors(index):
-    words, call = _bad_calls()[index]
-    with pytest.raises(ValueError, match=words):
-        call()
+test_argument_errors = argument_error_test(_bad_calls)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 """The tiled torch backward (CPU path) against float64 autograd."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -80,6 +82,17 @@ def test_mask_grad_needs_additive_mask():
     problem = make_problem(n_q=8, n_k=8, mask="bool")
     with pytest.raises(ValueError, match="mask_grad"):
         check(problem, mask_grad=True)
+
+
+def test_shares_the_triton_launchers_argument_checks():
+    varlen = make_problem(seqlens=[(4, 4)])
+    with pytest.raises(ValueError, match="attn_mask"):
+        check(dataclasses.replace(varlen, kwargs=varlen.kwargs | dict(attn_mask=torch.zeros(4, 4))))
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        check(dataclasses.replace(varlen, kwargs=varlen.kwargs | dict(max_seqlen_q=None)))
+    dense = make_problem(n_q=8, n_k=8)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        check(dataclasses.replace(dense, lse=dense.lse[..., :4]))
 
 
 @settings(max_examples=20, deadline=None)
