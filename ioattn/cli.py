@@ -16,7 +16,7 @@ import time
 def _benchmarks() -> list[str]:
     import ioattn.bench
 
-    skip = {"harness", "plot"}
+    skip = {"harness", "plot", "serve_offline"}
     return sorted(m.name for m in pkgutil.iter_modules(ioattn.bench.__path__) if m.name not in skip)
 
 

@@ -1,7 +1,8 @@
-"""`ioattn bench serve`: drive an OpenAI-compatible server with a synthetic workload; compare with offline.
+"""`ioattn bench serve`: a synthetic serving workload through a server and/or offline systems, side by side.
 
     ioattn bench serve --url http://127.0.0.1:8000                    # a running server (any OpenAI-compatible one)
-    ioattn bench serve --launch --offline --model llama3-8b-shape     # start `ioattn serve`, then LLM.generate
+    ioattn bench serve --launch --offline --model llama3-8b-shape     # start `ioattn serve`, then ioattn.LLM
+    ioattn bench serve --compare ioattn,static,hf --model llama3-8b-shape --out bench/results
 
 Workload: `--num-requests` prompts of random token ids (lengths uniform in `--input-len MIN MAX`, exact: they are
 sent as token ids), each asking for `--output-len` tokens (or uniform in `--output-len MIN MAX`) with
@@ -11,10 +12,13 @@ arrive as a Poisson process at `--request-rate` per second (default: all at once
 TPOT ((latency - TTFT) / (tokens - 1)) and latency; output throughput is all generated tokens over the wall
 time from the first send to the last response.
 
-`--offline` runs the same requests through `ioattn.LLM.generate` in this process (all submitted at once) and
-reports server throughput / offline throughput: the server's overhead (goal >= 0.9). With `--launch` the server
-is this package's own, started as a subprocess with the same engine settings and stopped before the offline
-run, so the two never share the device. A warm-up request precedes each measured run.
+`--compare` runs the same requests offline, all submitted at once, through ioattn's continuous batching
+(`ioattn`), its static-batching baseline (`static`) and transformers' continuous batching (`hf`), and reports
+ours / each peer, plus a batch-B decode step against its roofline bound: see `ioattn.bench.serve_offline`.
+`--offline` is the `ioattn` system alone; with a server run it reports server throughput / offline throughput,
+the server's overhead (goal >= 0.9). With `--launch` the server is this package's own, started as a subprocess
+with the same engine settings and stopped before the offline runs, so they never share the device. A warm-up
+request precedes each measured run.
 """
 
 from __future__ import annotations
@@ -222,32 +226,6 @@ def stop_server(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def run_offline(work: list[WorkItem], args) -> dict:
-    from ioattn.engine.llm import LLM
-    from ioattn.engine.sampling import SamplingParams
-
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs, device=args.device)
-    params = [SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=args.temperature)
-              for item in work]
-    llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
-    start = time.perf_counter()
-    outputs = llm.generate(prompt_token_ids=[item.prompt_token_ids for item in work], sampling_params=params,
-                           use_tqdm=False)
-    duration = time.perf_counter() - start
-    results = []
-    for output in outputs:
-        if output.error is not None:
-            results.append(Result(False, error=output.error))
-            continue
-        m = output.metrics
-        results.append(Result(True, ttft=m.time_to_first_token, latency=m.finished_time - m.arrival_time,
-                              output_tokens=len(output.outputs[0].token_ids)))
-    stats = llm.engine.stats()
-    return {**summarize(results, duration), "preemptions": stats["preemptions"],
-            "prefix_hit_rate": stats["kv"].prefix_hit_rate}
-
-
 # -- command line --------------------------------------------------------------------------------------------
 
 
@@ -261,41 +239,83 @@ def run(args) -> dict:
         finally:
             if process is not None:
                 stop_server(process)
-    if args.offline:
-        result["offline"] = run_offline(work, args)
-    if "server" in result and "offline" in result:
-        result["server_over_offline"] = (result["server"]["output_tokens_per_s"]
-                                         / result["offline"]["output_tokens_per_s"])
+    systems = list(args.compare)
+    if args.offline and "ioattn" not in systems:
+        systems.insert(0, "ioattn")
+    if systems:
+        from ioattn.bench.serve_offline import run_systems
+
+        result.update(run_systems(work, args, systems))
+    offline = result.get("systems", {}).get("ioattn")
+    if "server" in result and offline:
+        result["server_over_offline"] = result["server"]["output_tokens_per_s"] / offline["output_tokens_per_s"]
         if args.request_rate != float("inf") or args.concurrency:
             result["ratio_note"] = ("offline submits every request at once; with --request-rate or --concurrency "
                                     "the server run saw a lighter load, so the ratio is not the server's overhead")
     return result
 
 
-def to_markdown(result: dict) -> str:
-    from ioattn.bench.harness import markdown_table
+SUMMARY_KEYS = ("completed", "failed", "duration_s", "requests_per_s", "output_tokens_per_s", "ttft_ms_p50",
+                "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "latency_ms_p99")
+ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "steps",
+               "first_token_agreement")
 
-    keys = ["completed", "failed", "duration_s", "requests_per_s", "output_tokens_per_s", "ttft_ms_p50",
-            "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "latency_ms_p99"]
-    runs = [name for name in ("server", "offline") if name in result]
-    text = markdown_table(["metric", *runs], [[key, *(result[name].get(key) for name in runs)] for key in keys])
+
+def to_markdown(result: dict) -> str:
+    from ioattn.bench.harness import fmt, markdown_table
+
+    runs = {"server": result["server"]} if "server" in result else {}
+    runs.update(result.get("systems", {}))
+    keys = [key for key in (*SUMMARY_KEYS, *ENGINE_KEYS) if any(key in run for run in runs.values())]
+    # A system that could not run shows why in its first cell.
+    body = [[key, *(run.get(key, run.get("status") if key == keys[0] else None) for run in runs.values())]
+            for key in keys]
+    text = markdown_table(["metric", *runs], body)
+    for peer, bar in (("hf", ">= 5, project goal >= 10"), ("static", ">= 3")):
+        if f"ioattn_over_{peer}" in result:
+            text += f"\n\nioattn / {peer} output throughput: {result[f'ioattn_over_{peer}']:.2f}x (bar: {bar})"
+    step = result.get("decode_step")
+    if step:
+        text += (f"\n\nbatch-{step['batch']} decode step at mean context {step['context_mean']:.0f}: "
+                 f"{fmt(step['step_ms_median'])} ms (median of {step['steps_timed']} engine steps); bound "
+                 f"{fmt(step['bound_ms'])} ms = {step['bound_note']}; weights {step['weight_bytes'] / 1e9:.3g} GB, "
+                 f"KV {step['kv_bytes'] / 1e9:.3g} GB; step / bound: {fmt(step['step_over_bound'])} (bar: <= 1.5)")
+        if step["preempted"]:
+            text += "; WARNING: preemptions happened during the decode measurement (KV pool too small)"
     if "server_over_offline" in result:
         text += f"\n\nserver / offline output throughput: {result['server_over_offline']:.3f} (goal >= 0.9)"
         if "ratio_note" in result:
             text += f"\n\nnote: {result['ratio_note']}"
-    for name in runs:
-        for key in ("errors", "server_counters"):
-            if key in result[name]:
-                text += f"\n\n{name} {key}: {result[name][key]}"
+    for name, run in runs.items():
+        for key in ("errors", "server_counters", "attention", "cache"):
+            if key in run:
+                text += f"\n\n{name} {key}: {run[key]}"
     return text
+
+
+def _systems(text: str) -> list[str]:
+    from ioattn.bench.serve_offline import SYSTEMS
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SYSTEMS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"--compare takes distinct names from {', '.join(SYSTEMS)}, got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ioattn bench serve", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--launch", action="store_true", help="start `ioattn serve --model MODEL` for the run")
-    parser.add_argument("--offline", action="store_true", help="also run the workload through LLM.generate")
-    parser.add_argument("--model", default="tiny", help="checkpoint or preset for --launch / --offline")
+    parser.add_argument("--offline", action="store_true", help="also run the workload through ioattn.LLM (the "
+                        "`ioattn` system of --compare)")
+    parser.add_argument("--compare", type=_systems, default=[], metavar="SYSTEMS",
+                        help="comma-separated offline systems to run side by side: ioattn, static, hf")
+    parser.add_argument("--decode-batch", type=int, default=64, metavar="B",
+                        help="time an engine step with B decodes at the workload's mean context, against its "
+                        "roofline bound, on the ioattn system (0: skip)")
+    parser.add_argument("--model", default="tiny", help="tiny, llama3-8b-shape or a checkpoint folder, for --launch, "
+                        "--offline and --compare")
     parser.add_argument("--served-model-name", default=None, help="`model` in requests to --url (default: the "
                         "server's first model)")
     parser.add_argument("--num-requests", type=int, default=256)
@@ -306,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
-    engine = parser.add_argument_group("engine settings (--launch and --offline)")
+    engine = parser.add_argument_group("engine settings (--launch, --offline, --compare)")
     engine.add_argument("--dtype", default="auto")
     engine.add_argument("--device", default=None)
     engine.add_argument("--max-model-len", type=int, default=None)
@@ -317,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure")
     args = parser.parse_args(argv)
-    if not (args.url or args.launch or args.offline):
-        parser.error("give --url, --launch or --offline")
+    if not (args.url or args.launch or args.offline or args.compare):
+        parser.error("give --url, --launch, --offline or --compare")
+    if args.decode_batch < 0:
+        parser.error("--decode-batch must be >= 0")
     if args.url and args.launch:
         parser.error("--url and --launch are exclusive")
     if len(args.output_len) == 1:
@@ -338,8 +360,13 @@ def main(argv: list[str] | None = None) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         disclosure = collect_disclosure(device, "ioattn bench serve " + " ".join(argv or sys.argv[1:]))
-        disclosure["timing"] = "wall clock (time.perf_counter) on the client; percentiles nearest-rank"
+        disclosure["timing"] = ("wall clock (time.perf_counter): on the client for the server run, in this "
+                                "process for offline systems (after their warm-up); percentiles nearest-rank")
         disclosure["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+        if "hf" in args.compare:
+            import transformers
+
+            disclosure["transformers"] = transformers.__version__
         result = {"disclosure": disclosure, **result}
         payload = json.dumps(result, indent=1, default=str) + "\n"
         if args.json:

@@ -26,14 +26,15 @@ def test_bench_against_live_server_and_offline(live_server, tmp_path):
     out = tmp_path / "serve.json"
     argv = ["--url", live_server.url, "--offline", "--model", "tiny", "--max-model-len", str(MAX_MODEL_LEN),
             "--num-requests", "6", "--input-len", "4", "12", "--output-len", "3", "--concurrency", "4",
-            "--json", str(out)]
+            "--decode-batch", "0", "--json", str(out)]
     assert serve.main(argv) == 0
     result = json.loads(out.read_text())
-    for run in ("server", "offline"):
-        assert result[run]["completed"] == 6 and result[run]["failed"] == 0
-        assert result[run]["output_tokens"] == 18
+    for run in (result["server"], result["systems"]["ioattn"]):
+        assert run["completed"] == 6 and run["failed"] == 0
+        assert run["output_tokens"] == 18
         for key in ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"):
-            assert result[run][key] is not None and result[run][key] > 0
+            assert run[key] is not None and run[key] > 0
+    assert "decode_step" not in result
     assert result["server"]["server_counters"]["generation_tokens_total"] == 18 + 4  # + the warm-up request
     assert result["server_over_offline"] > 0
     assert result["disclosure"]["command"].startswith("ioattn bench serve")

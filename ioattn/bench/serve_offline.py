@@ -1,0 +1,353 @@
+"""The offline half of `ioattn bench serve`: one workload through several systems in this process, side by side.
+
+Systems (`--compare`, any of them, run one after the other so they never share the device):
+
+- `ioattn`: `ioattn.LLM` with continuous batching; its engine is stepped here (`add_request` every request at
+  once, then `step()` until done: the loop of `LLM.generate`) so the KV manager can be read after every step.
+- `static`: the same with `scheduling="static"`, the seeds' baseline: a new batch starts only when the last one
+  has finished, and admission reserves `max_model_len` tokens per sequence.
+- `hf`: transformers' continuous batching (the manager behind `generate_batch`, with its defaults and the same
+  workload hints `generate_batch` gives it) on a transformers model built from our config (`ModelConfig.to_hf()`)
+  holding a copy of the SAME weights as ours (bit for bit). Requests are added one by one so each gets its own
+  `max_new_tokens`; EOS is disabled (`eos_token_id=-1`, i.e. ignore_eos). On a CPU, transformers can only size its
+  cache through psutil, and would take 90% of the free RAM: the bench then gives it an explicit cache that holds
+  the whole workload at once and says so.
+
+Every system first runs a warm-up workload (`WARMUP_REQUESTS` other random prompts of the same length range, a few
+output tokens each: it compiles every Triton specialization and torch path the real run will take, without
+seeding the prefix cache with the measured prompts), after its own warm-up (our CUDA graphs, transformers' graph
+capture). Timing starts when the measured requests are added and ends when the last one finishes; TTFT and
+latency count from when a request was added.
+
+Per system: output tok/s, TTFT / TPOT / latency percentiles, and for ours preemptions, prefix-cache hit rate and
+KV utilization: per step, the share of committed KV slots that hold a token (committed = allocated blocks for
+continuous batching; the max-length reservations of running sequences for static), averaged over steps, plus the
+peak share of the whole pool in use.
+
+Roofline (`--decode-batch B`, default 64): on the continuous engine, B requests whose prompts have the workload's
+mean context (mean prompt length + half the mean output length) are prefilled, then engine steps with those B
+decodes running are timed (wall clock around `step()`, which waits for the sampled tokens). The bound of such a
+step is (weight bytes read + KV bytes read) / the device-copy bandwidth measured in this run; on a CPU: n/a.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import random
+import statistics
+import time
+from math import ceil
+
+import torch
+
+from ioattn.bench.serve import PROMPT_ID_RANGE, Result, WorkItem, make_workload, summarize
+
+SYSTEMS = ("ioattn", "static", "hf")
+# Timed engine steps for the batch-B decode measurement, after as many untimed ones.
+DECODE_STEPS = 20
+WARMUP_REQUESTS = 32
+WARMUP_OUTPUT_LEN = 4
+
+
+def warmup_workload(work: list[WorkItem], seed: int) -> list[WorkItem]:
+    """Prompts of the workload's length range, different from its own (no prefix-cache hits on the measured run)."""
+    lengths = [len(w.prompt_token_ids) for w in work]
+    count = min(len(work), WARMUP_REQUESTS)
+    return make_workload(count, (min(lengths), max(lengths)), (WARMUP_OUTPUT_LEN, WARMUP_OUTPUT_LEN), seed + 1)
+
+
+def _llm(args, scheduling: str):
+    from ioattn.engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+               device=args.device, scheduling=scheduling)
+
+
+def _release_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- ioattn (continuous and static) -------------------------------------------------------------------------------
+
+
+def run_ioattn(work: list[WorkItem], warmup: list[WorkItem], args, scheduling: str, decode_batch: int = 0) -> dict:
+    """The workload through `LLM(..., scheduling=scheduling)`; with `decode_batch`, then the batch-B decode step."""
+    llm = _llm(args, scheduling)
+    try:
+        _run_engine(llm, warmup, args.temperature)
+        result = _run_engine(llm, work, args.temperature)
+        if decode_batch:
+            result["decode_step"] = time_decode_step(llm, work, decode_batch)
+        return result
+    finally:
+        del llm
+        _release_device()
+
+
+def _run_engine(llm, work: list[WorkItem], temperature: float) -> dict:
+    from ioattn.engine.sampling import SamplingParams
+
+    engine = llm.engine
+    before = engine.kv.stats()
+    preemptions_before = engine.scheduler.num_preemptions
+    static = engine.scheduler_config.mode == "static"
+    reserved_slots_per_seq = ceil(engine.max_model_len / engine.kv.block_size) * engine.kv.block_size
+    pool_slots = engine.kv.num_blocks * engine.kv.block_size
+    utilization, pool_usage = [], []
+    outputs = {}
+    start = time.perf_counter()
+    for i, item in enumerate(work):
+        params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature)
+        engine.add_request(f"bench-{i}", params=params, prompt_token_ids=item.prompt_token_ids)
+    while engine.has_unfinished_requests():
+        outputs.update((out.request_id, out) for out in engine.step() if out.finished)
+        stats = engine.kv.stats()
+        committed = stats.sequences_running * reserved_slots_per_seq if static else stats.slots_allocated
+        if committed:
+            utilization.append(stats.tokens_held / committed)
+        pool_usage.append(stats.blocks_used / engine.kv.num_blocks)
+    duration = time.perf_counter() - start
+
+    results = []
+    for i in range(len(work)):
+        output = outputs[f"bench-{i}"]
+        if output.error is not None:
+            results.append(Result(False, error=output.error))
+            continue
+        m = output.metrics
+        results.append(Result(True, ttft=m.time_to_first_token, latency=m.finished_time - m.arrival_time,
+                              output_tokens=len(output.outputs[0].token_ids)))
+    after = engine.kv.stats()
+    queried = after.prefix_query_tokens - before.prefix_query_tokens
+    return {
+        **summarize(results, duration),
+        "preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        "prefix_hit_rate": (after.prefix_hit_tokens - before.prefix_hit_tokens) / queried if queried else 0.0,
+        "kv_utilization_mean": statistics.fmean(utilization) if utilization else None,
+        "kv_pool_usage_peak": max(pool_usage, default=0.0),
+        "kv_pool_tokens": pool_slots,
+        "steps": len(pool_usage),
+        "first_tokens": [_first(outputs[f"bench-{i}"].outputs[0].token_ids) if outputs[f"bench-{i}"].outputs
+                         else None for i in range(len(work))],
+    }
+
+
+def _first(token_ids: list[int]) -> int | None:
+    return token_ids[0] if token_ids else None
+
+
+# -- the batch-B decode step and its roofline bound ---------------------------------------------------------------
+
+
+def mean_context(work: list[WorkItem]) -> int:
+    """The mean number of tokens a decode attends over in this workload: mean prompt + half the mean output."""
+    prompt = statistics.fmean(len(w.prompt_token_ids) for w in work)
+    return round(prompt + statistics.fmean(w.output_len for w in work) / 2)
+
+
+def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
+    """Median wall time of an engine step with `batch` decodes running at about the workload's mean context.
+
+    Prompts are shorter than that context by the tokens generated before mid-measurement, so the timed steps
+    straddle it. The requests never stop by themselves (they are aborted after the timing), so the batch cannot
+    shrink while it is timed; prompts prefilled early decode while later ones prefill, so the context actually
+    measured is the mean over the requests, reported as such."""
+    from ioattn.engine.runner import ModelRunner
+    from ioattn.engine.sampling import SamplingParams
+
+    engine = llm.engine
+    context = mean_context(work)
+    prompt_len = max(1, context - 1 - DECODE_STEPS - DECODE_STEPS // 2)
+    if batch > engine.scheduler_config.max_num_seqs:
+        raise ValueError(f"decode_batch ({batch}) must be <= max_num_seqs ({engine.scheduler_config.max_num_seqs})")
+    rng = random.Random(len(work))
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, ignore_eos=True, temperature=0.0)
+    ids = [engine.add_request(f"decode-{i}", params=params,
+                              prompt_token_ids=[rng.randrange(PROMPT_ID_RANGE) for _ in range(prompt_len)])
+           for i in range(batch)]
+    preemptions_before = engine.scheduler.num_preemptions
+    generated: dict[str, int] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                raise ValueError(f"max_model_len ({engine.max_model_len}) is too short to time decodes at context "
+                                 f"{context}: a request reached it")
+            generated[out.request_id] = len(out.outputs[0].token_ids) if out.outputs else 0
+
+    while sum(n > 0 for n in generated.values()) < batch:  # prefill every prompt: then each step is `batch` decodes
+        step()
+    for _ in range(DECODE_STEPS):
+        step()
+    start_mean = statistics.fmean(generated.values())
+    cuda = engine.runner.device.type == "cuda"
+    times = []
+    for _ in range(DECODE_STEPS):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    measured_context = prompt_len + (start_mean + statistics.fmean(generated.values())) / 2
+    for request_id in ids:
+        engine.abort_request(request_id)
+    model = engine.model
+    dtype = model.model.embed_tokens.weight.dtype
+    weight_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if not model.config.tie_word_embeddings:  # a decode step reads only its B rows of the embedding table
+        weight_bytes -= (model.config.vocab_size - batch) * model.config.hidden_size * dtype.itemsize
+    kv_bytes = round(batch * measured_context * ModelRunner.block_bytes(model.config, 1, dtype))
+    return {"batch": batch, "context_mean": measured_context, "step_ms_median": statistics.median(times),
+            "steps_timed": len(times), "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+            "preempted": engine.scheduler.num_preemptions != preemptions_before}
+
+
+def add_roofline(decode_step: dict, copy_tbps: float | None) -> None:
+    """The bound (weight + KV bytes) / bandwidth and the measured step's ratio to it; n/a without a bandwidth."""
+    if copy_tbps is None:
+        decode_step.update(bound_ms=None, step_over_bound=None, bound_note="n/a: no device-copy bandwidth on a CPU")
+        return
+    bound_ms = (decode_step["weight_bytes"] + decode_step["kv_bytes"]) / (copy_tbps * 1e12) * 1e3
+    decode_step.update(bound_ms=bound_ms, step_over_bound=decode_step["step_ms_median"] / bound_ms,
+                       bound_note=f"(weight + KV bytes) / {copy_tbps:.3g} TB/s device copy measured in this run")
+
+
+# -- transformers -------------------------------------------------------------------------------------------------
+
+
+def hf_twin(loaded):
+    """A transformers model of our config holding a copy of our model's weights (HF names from our layout)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ours = loaded.model
+    hf_config = loaded.config.to_hf()
+    config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+    dtype = ours.model.embed_tokens.weight.dtype
+    with torch.device(ours.inv_freq.device):
+        twin = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    params = dict(ours.named_parameters())
+    twin.load_state_dict({name: params[param][start:end] for name, (param, start, end)
+                          in ours.checkpoint_layout().items()}, strict=True)
+    return twin.eval()
+
+
+def run_hf(work: list[WorkItem], warmup: list[WorkItem], args) -> dict:
+    """The workload through transformers' continuous batching; {"status": why} when it cannot run here."""
+    from ioattn.models.loader import load_model
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    cpu = loaded.model.inv_freq.device.type == "cpu"
+    if cpu and importlib.util.find_spec("psutil") is None:
+        return {"status": "unsupported: transformers' continuous batching needs psutil to size its cache on a CPU "
+                          "(not installed)"}
+    model = None
+    try:
+        model = hf_twin(loaded)
+        del loaded  # the twin holds its own copy: our model's memory goes back before the twin sizes its cache
+        _release_device()
+        return _run_hf(model, work, warmup, args, cpu)
+    except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
+        return {"status": f"unsupported: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"}
+    finally:
+        del model
+        _release_device()
+
+
+def _run_hf(model, work: list[WorkItem], warmup: list[WorkItem], args, cpu: bool) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": 1.0} \
+        if args.temperature > 0 else {"do_sample": False}
+    max_new = max(w.output_len for w in work)
+    generation_config = GenerationConfig(max_new_tokens=max_new, eos_token_id=-1, **sampling)
+    hints = WorkloadHints(max_prompt_length=max(len(w.prompt_token_ids) for w in work),
+                          max_generated_length=max_new, num_requests=len(work))
+    cb_config, note = None, "transformers' defaults"
+    if cpu:
+        block = ContinuousBatchingConfig().block_size
+        blocks = sum(ceil((len(w.prompt_token_ids) + w.output_len) / block) for w in work)
+        cb_config = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=2048)
+        note = f"CPU: explicit cache of {blocks} blocks of {block} (the whole workload), max_batch_tokens 2048"
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config, block=True, timeout=5,
+        workload_hints=hints,
+    ) as manager:
+        attention = model.config._attn_implementation
+        _hf_outputs(manager, warmup, "warmup")
+        start = time.perf_counter()
+        outputs = _hf_outputs(manager, work, "bench")
+        duration = time.perf_counter() - start
+    results = []
+    for i in range(len(work)):
+        output = outputs.get(f"bench-{i}")
+        if output is None or output.error is not None:
+            results.append(Result(False, error="no result" if output is None else str(output.error)))
+            continue
+        stamps = output.timestamps or [output.lifespan[1]]
+        results.append(Result(True, ttft=stamps[0] - output.created_time,
+                              latency=output.lifespan[1] - output.created_time,
+                              output_tokens=len(output.generated_tokens)))
+    first_tokens = [_first(outputs[f"bench-{i}"].generated_tokens) if f"bench-{i}" in outputs else None
+                    for i in range(len(work))]
+    return {**summarize(results, duration), "attention": attention, "cache": note, "first_tokens": first_tokens}
+
+
+def _hf_outputs(manager, work: list[WorkItem], prefix: str) -> dict:
+    """Add every request (its own max_new_tokens, no EOS) and wait for all; finished outputs by request id."""
+    for i, item in enumerate(work):
+        manager.add_request(item.prompt_token_ids, request_id=f"{prefix}-{i}", max_new_tokens=item.output_len,
+                            record_timestamps=True, eos_token_id=-1)
+    outputs = {}
+    while len(outputs) < len(work):
+        output = manager.get_result(timeout=1)
+        if output is not None and output.is_finished():
+            outputs[output.request_id] = output
+        elif output is None and not manager.is_running():
+            break  # the generation thread died: the missing requests are reported as failed
+    return outputs
+
+
+# -- all of them -----------------------------------------------------------------------------------------------
+
+
+def run_systems(work: list[WorkItem], args, systems: list[str]) -> dict:
+    """Each system's summary, the ratios of ours to the others, and the batch-B decode step with its roofline."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out: dict = {"systems": {}}
+    copy_tbps = None
+    if device.startswith("cuda") and "ioattn" in systems and args.decode_batch:
+        from ioattn.bench.harness import measure_ceilings, parse_dtype
+
+        dtype = torch.bfloat16 if args.dtype == "auto" else parse_dtype(args.dtype)
+        out["ceilings"] = measure_ceilings(device, [dtype])
+        copy_tbps = out["ceilings"]["copy_tbps"]
+    warmup = warmup_workload(work, args.seed)
+    for name in systems:
+        if name == "hf":
+            out["systems"][name] = run_hf(work, warmup, args)
+        else:
+            decode_batch = args.decode_batch if name == "ioattn" else 0
+            out["systems"][name] = run_ioattn(work, warmup, args, "continuous" if name == "ioattn" else "static",
+                                              decode_batch)
+    ours = out["systems"].get("ioattn", {})
+    if "decode_step" in ours:
+        out["decode_step"] = ours.pop("decode_step")
+        add_roofline(out["decode_step"], copy_tbps)
+    first_tokens = {name: result.pop("first_tokens", None) for name, result in out["systems"].items()}
+    for peer in ("hf", "static"):
+        theirs = out["systems"].get(peer, {})
+        if ours.get("output_tokens_per_s") and theirs.get("output_tokens_per_s"):
+            out[f"ioattn_over_{peer}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+        # Same weights, same greedy rule: the first generated tokens agree but for rounding near-ties.
+        if args.temperature == 0 and first_tokens.get("ioattn") and first_tokens.get(peer):
+            pairs = [(a, b) for a, b in zip(first_tokens["ioattn"], first_tokens[peer]) if None not in (a, b)]
+            if pairs:
+                theirs["first_token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+    return out
