@@ -78,6 +78,54 @@ def _sdpa_masked(device, dtype):
     return rel_error(out, ref)
 
 
+def _backward(backend: str) -> Callable[[str, torch.dtype], float]:
+    """dq, dk, dv of a causal GQA call against float64 autograd; the worst of the three relative errors."""
+    def run(device, dtype):
+        q, k, v = (t.requires_grad_() for t in _qkv(2, 37, 53, 4, 2, 64, dtype, device))
+        grad = torch.randn(2, 37, 4, 64, dtype=dtype, device=device)
+        ioattn.flash_attn_func(q, k, v, causal=True, backend=backend).backward(grad)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = attention_ref(*leaves, causal=True, differentiable=True)
+        ref.backward(grad.double())
+        return max(rel_error(t.grad, leaf.grad) for t, leaf in zip((q, k, v), leaves))
+
+    return run
+
+
+def _paged(decode: bool) -> Callable[[str, torch.dtype], float]:
+    """reshape_and_cache into shuffled blocks of 16, then paged attention (split-KV) against the reference."""
+    def run(device, dtype):
+        lens, new = [45, 16, 70], ([1, 1, 1] if decode else [9, 16, 30])
+        blocks = sum(-(-n // 16) for n in lens)
+        k_cache = torch.zeros(blocks, 16, 2, 64, dtype=dtype, device=device)
+        v_cache = torch.zeros_like(k_cache)
+        order = torch.randperm(blocks, device=device).to(torch.int32)
+        table = torch.full((3, 5), -1, dtype=torch.int32, device=device)
+        keys, values, used = [], [], 0
+        for b, n in enumerate(lens):
+            count = -(-n // 16)
+            table[b, :count] = order[used:used + count]
+            used += count
+            k, v = torch.randn(n, 2, 64, dtype=dtype, device=device), torch.randn(n, 2, 64, dtype=dtype, device=device)
+            slots = (table[b, torch.arange(n, device=device) // 16].long() * 16 + torch.arange(n, device=device) % 16)
+            ioattn.reshape_and_cache(k, v, k_cache, v_cache, slots)
+            keys.append(k)
+            values.append(v)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        q = torch.randn(sum(new), 8, 64, dtype=dtype, device=device)
+        cu_q = torch.tensor([0] + new, device=device).cumsum(0).to(torch.int32)
+        if decode:
+            out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=3)
+        else:
+            out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_q,
+                                         max_seqlen_q=max(new), num_splits=2)
+        cu_k = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+        ref, _ = attention_ref(q, torch.cat(keys), torch.cat(values), causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        return rel_error(out, ref)
+
+    return run
+
+
 def checks() -> list[Check]:
     backends = ["triton", "torch"]
     found = [Check(f"flash_attn_func[{b}] GQA 4:2 D=72 Nq!=Nk", _dense(b)) for b in backends]
@@ -85,6 +133,9 @@ def checks() -> list[Check]:
     found += [Check(f"flash_attn_func[{b}] window (16, 0)", _dense(b, window_size=(16, 0))) for b in backends]
     found += [Check(f"flash_attn_varlen_func[{b}] causal, empty seq", _varlen(b)) for b in backends]
     found.append(Check("sdpa dense bool mask", _sdpa_masked))
+    found += [Check(f"backward (dq, dk, dv)[{b}] causal GQA", _backward(b)) for b in backends]
+    found.append(Check("paged decode, split-KV, blocks of 16", _paged(decode=True)))
+    found.append(Check("paged chunked prefill over cached context", _paged(decode=False)))
     return found
 
 

@@ -147,3 +147,15 @@ def test_engine_demo_default_settings_on_cuda():
     assert report["requests"] == 24 and report["output_tokens"] == 24 * 64
     assert report["preemptions"] > 0 and report["prefix_hit_tokens"] > 0
     assert report["blocks_used_after"] == 0
+
+
+def test_demo_exactness_checks_pass_on_this_machine():
+    """The README's main job starts with these; each must stay within its float32 tolerance here."""
+    import torch
+
+    from ioattn.demo import checks
+    from ioattn.reference import TOLERANCE
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for check in checks():
+        assert check.run(device, torch.float32) < TOLERANCE[torch.float32], check.name
