@@ -38,19 +38,32 @@ class LLM:
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
         device: str | torch.device | None = None,
+        tensor_parallel_size: int = 1,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
-        swap_space, watermark, enforce_eager)."""
+        swap_space, watermark, enforce_eager). tensor_parallel_size > 1 runs the model on that many processes
+        (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             preemption_mode=preemption_mode, device=device, **engine_kwargs,
         )
-        self.engine = LLMEngine(model, config)
+        if tensor_parallel_size == 1:
+            self.engine = LLMEngine(model, config)
+        else:
+            from ioattn.distributed.worker import TensorParallelEngine
+
+            self.engine = TensorParallelEngine(model, config, tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (they are also stopped at interpreter exit)."""
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def generate(
         self,

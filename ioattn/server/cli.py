@@ -27,6 +27,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    serve.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
+                       help="run the model on this many processes (GPUs), Megatron-style tensor parallelism")
     serve.add_argument("--log-level", default="info")
     return serve
 
@@ -43,7 +45,12 @@ def build_app(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager, device=args.device,
     )
-    engine = LLMEngine(args.model, config)
+    if args.tensor_parallel_size == 1:
+        engine = LLMEngine(args.model, config)
+    else:
+        from ioattn.distributed.worker import TensorParallelEngine
+
+        engine = TensorParallelEngine(args.model, config, tensor_parallel_size=args.tensor_parallel_size)
     return create_app(engine, served_model_name=args.served_model_name or args.model,
                       chat_template=ChatTemplate.for_model(args.model, args.chat_template),
                       max_queued_requests=args.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS)
