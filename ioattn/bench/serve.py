@@ -3,6 +3,8 @@
     ioattn bench serve --url http://127.0.0.1:8000                    # a running server (any OpenAI-compatible one)
     ioattn bench serve --launch --offline --model llama3-8b-shape     # start `ioattn serve`, then ioattn.LLM
     ioattn bench serve --compare ioattn,static,hf --model llama3-8b-shape --out bench/results
+    ioattn bench serve --tp 1,2 --model llama3-8b-shape                # the same workload at TP 1 and TP 2
+    ioattn bench serve --disagg --model llama3-8b-shape --input-len 1024 2048 --output-len 32 --concurrency 16
 
 Workload: `--num-requests` prompts of random token ids (lengths uniform in `--input-len MIN MAX`, exact: they are
 sent as token ids), each asking for `--output-len` tokens (or uniform in `--output-len MIN MAX`) with
@@ -19,6 +21,14 @@ ours / each peer, plus a batch-B decode step against its roofline bound: see `io
 the server's overhead (goal >= 0.9). With `--launch` the server is this package's own, started as a subprocess
 with the same engine settings and stopped before the offline runs, so they never share the device. A warm-up
 request precedes each measured run.
+
+`--tp N` runs our engine on N tensor-parallel processes everywhere it runs (the launched server, `--offline`,
+`--compare`'s ioattn and static; transformers stays one process). `--tp 1,2` (several sizes) is a comparison of
+its own: the workload through our continuous engine at each size, one row each, with ratios to the first size;
+all sizes run eager, because TP steps cannot use CUDA graphs. `--disagg` runs the workload through the colocated
+engine and the disaggregated prefill/decode pair (`ioattn.distributed.DisaggregatedEngine`), TTFT and TPOT side by
+side; for a prefill-heavy load give long prompts, short outputs and a request rate or concurrency, which both of
+these modes follow (see `ioattn.bench.serve_offline`).
 """
 
 from __future__ import annotations
@@ -123,6 +133,17 @@ async def _one_request(client, url: str, model: str, item: WorkItem, temperature
     return Result(True, ttft=latency if ttft is None else ttft, latency=latency, output_tokens=tokens)
 
 
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process (the first at 0), or all at 0."""
+    if request_rate == float("inf"):
+        return [0.0] * num_requests
+    rng = random.Random(seed + 1)
+    offsets = [0.0]
+    for _ in range(num_requests - 1):
+        offsets.append(offsets[-1] + rng.expovariate(request_rate))
+    return offsets
+
+
 async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float, concurrency: int | None,
                  temperature: float, seed: int) -> tuple[list[Result], float]:
     import httpx
@@ -132,7 +153,6 @@ async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60), limits=limits) as client:
         await _one_request(client, url, model, WorkItem([1, 2, 3, 4], 4), temperature)  # warm-up
         gate = asyncio.Semaphore(limit)
-        rng = random.Random(seed + 1)
 
         async def run(item: WorkItem) -> Result:
             async with gate:
@@ -140,10 +160,9 @@ async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float
 
         start = time.perf_counter()
         tasks = []
-        for item in work:
+        for item, offset in zip(work, arrival_offsets(len(work), request_rate, seed)):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(run(item)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - start
 
@@ -189,6 +208,8 @@ def _engine_flags(args) -> list[str]:
     for name in ("max_model_len", "num_blocks", "device"):
         if getattr(args, name) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.tp != [1]:
+        flags += ["--tp", str(args.tp[0])]
     return flags
 
 
@@ -242,10 +263,21 @@ def run(args) -> dict:
     systems = list(args.compare)
     if args.offline and "ioattn" not in systems:
         systems.insert(0, "ioattn")
-    if systems:
-        from ioattn.bench.serve_offline import run_systems
+    from ioattn.bench import serve_offline
 
-        result.update(run_systems(work, args, systems))
+    parts = [serve_offline.run_systems(work, args, systems)] if systems else []
+    if len(args.tp) > 1:
+        parts.append(serve_offline.run_tp_sweep(work, args))
+    if args.disagg:
+        parts.append(serve_offline.run_disaggregated(work, args))
+    for part in parts:
+        for key, value in part.items():
+            if key in ("systems", "ratios"):
+                result.setdefault(key, {}).update(value)
+            elif key == "notes":
+                result.setdefault(key, []).extend(value)
+            else:
+                result[key] = value
     offline = result.get("systems", {}).get("ioattn")
     if "server" in result and offline:
         result["server_over_offline"] = result["server"]["output_tokens_per_s"] / offline["output_tokens_per_s"]
@@ -258,7 +290,7 @@ def run(args) -> dict:
 SUMMARY_KEYS = ("completed", "failed", "duration_s", "requests_per_s", "output_tokens_per_s", "ttft_ms_p50",
                 "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "latency_ms_p99")
 ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "steps",
-               "first_token_agreement")
+               "shipped_blocks", "first_token_agreement")
 
 
 def to_markdown(result: dict) -> str:
@@ -282,6 +314,10 @@ def to_markdown(result: dict) -> str:
                  f"KV {step['kv_bytes'] / 1e9:.3g} GB; step / bound: {fmt(step['step_over_bound'])} (bar: <= 1.5)")
         if step["preempted"]:
             text += "; WARNING: preemptions happened during the decode measurement (KV pool too small)"
+    for name, ratios in result.get("ratios", {}).items():
+        text += f"\n\n{name}: " + ", ".join(f"{key} {fmt(value)}x" for key, value in ratios.items())
+    for note in result.get("notes", []):
+        text += f"\n\nnote: {note}"
     if "server_over_offline" in result:
         text += f"\n\nserver / offline output throughput: {result['server_over_offline']:.3f} (goal >= 0.9)"
         if "ratio_note" in result:
@@ -303,6 +339,16 @@ def _systems(text: str) -> list[str]:
     return names
 
 
+def _tp_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(size) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"--tp takes one size or distinct comma-separated sizes >= 1, got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ioattn bench serve", description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000")
@@ -311,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
                         "`ioattn` system of --compare)")
     parser.add_argument("--compare", type=_systems, default=[], metavar="SYSTEMS",
                         help="comma-separated offline systems to run side by side: ioattn, static, hf")
+    parser.add_argument("--tp", type=_tp_sizes, default=[1], metavar="N[,N...]",
+                        help="tensor-parallel size of our engine (--launch, --offline, --compare; hf stays one "
+                        "process); several sizes (e.g. 1,2): the workload through each, eager, side by side")
+    parser.add_argument("--disagg", action="store_true", help="the workload (paced by --request-rate / "
+                        "--concurrency) through the colocated engine and the disaggregated prefill/decode pair")
     parser.add_argument("--decode-batch", type=int, default=64, metavar="B",
                         help="time an engine step with B decodes at the workload's mean context, against its "
                         "roofline bound, on the ioattn system (0: skip)")
@@ -337,8 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure")
     args = parser.parse_args(argv)
-    if not (args.url or args.launch or args.offline or args.compare):
-        parser.error("give --url, --launch, --offline or --compare")
+    if not (args.url or args.launch or args.offline or args.compare or args.disagg or len(args.tp) > 1):
+        parser.error("give --url, --launch, --offline, --compare, --disagg or --tp with several sizes")
+    if len(args.tp) > 1 and (args.url or args.launch or args.offline or args.compare or args.disagg):
+        parser.error("--tp with several sizes is a comparison of its own: leave out --url, --launch, --offline, "
+                     "--compare and --disagg")
+    if args.disagg and args.tp != [1]:
+        parser.error("--disagg runs one process per side: it takes no --tp")
     if args.decode_batch < 0:
         parser.error("--decode-batch must be >= 0")
     if args.url and args.launch:
@@ -360,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
 
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         disclosure = collect_disclosure(device, "ioattn bench serve " + " ".join(argv or sys.argv[1:]))
-        disclosure["timing"] = ("wall clock (time.perf_counter): on the client for the server run, in this "
-                                "process for offline systems (after their warm-up); percentiles nearest-rank")
+        disclosure["timing"] = ("wall clock: time.perf_counter on the client for the server run, the engine's "
+                                "time.monotonic in this process for offline systems (after their warm-up); "
+                                "percentiles nearest-rank")
         disclosure["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+        disclosure["tensor_parallel_size"] = args.tp if len(args.tp) > 1 else args.tp[0]
         if "hf" in args.compare:
             import transformers
 
@@ -372,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_text(args.json, payload)
         if args.out:
-            paths = dated_paths(args.out, "serve", device_tag(disclosure))
+            # The TP and disaggregation comparisons get files of their own beside a same-day --compare run's.
+            name = "serve" + ("-tp" if len(args.tp) > 1 else "") + ("-disagg" if args.disagg else "")
+            paths = dated_paths(args.out, name, device_tag(disclosure))
             write_text(paths["json"], payload)
             write_text(paths["md"], f"# ioattn bench serve\n\n{disclosure_markdown(result)}\n\n{text}\n")
     return 0

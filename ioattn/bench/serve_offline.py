@@ -28,6 +28,16 @@ Roofline (`--decode-batch B`, default 64): on the continuous engine, B requests 
 mean context (mean prompt length + half the mean output length) are prefilled, then engine steps with those B
 decodes running are timed (wall clock around `step()`, which waits for the sampled tokens). The bound of such a
 step is (weight bytes read + KV bytes read) / the device-copy bandwidth measured in this run; on a CPU: n/a.
+Under tensor parallelism the bytes are rank 0's shard (every rank reads its own share at once).
+
+Beyond one process (`--tp 1,2`, `--disagg`): the workload is paced as the server run is (`Pacing`: Poisson
+arrivals at `--request-rate`, or at most `--concurrency` unfinished, else all at once); a request's TTFT counts
+from its arrival time (its Poisson time, or when its concurrency slot freed), also when it waits for a step to
+end before being added. `run_tp_sweep` runs our continuous engine at each TP size, all eager (TP steps have no
+CUDA graphs, so TP 1 is eager too: the ratio is TP's alone). `run_disaggregated` runs the colocated `LLMEngine`,
+then the `DisaggregatedEngine` pair (prefill worker on GPU 1, decode on GPU 0) with the same settings. Rows are
+compared with the first one (ours / it) and, when greedy, by first-token agreement (1.0 expected: the same
+weights and the same exact arithmetic up to the all-reduce order).
 """
 
 from __future__ import annotations
@@ -37,11 +47,12 @@ import importlib.util
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from math import ceil
 
 import torch
 
-from ioattn.bench.serve import PROMPT_ID_RANGE, Result, WorkItem, make_workload, summarize
+from ioattn.bench.serve import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, make_workload, summarize
 
 SYSTEMS = ("ioattn", "static", "hf")
 # Timed engine steps for the batch-B decode measurement, after as many untimed ones.
@@ -57,12 +68,13 @@ def warmup_workload(work: list[WorkItem], seed: int) -> list[WorkItem]:
     return make_workload(count, (min(lengths), max(lengths)), (WARMUP_OUTPUT_LEN, WARMUP_OUTPUT_LEN), seed + 1)
 
 
-def _llm(args, scheduling: str):
+def _llm(args, scheduling: str, tensor_parallel_size: int, enforce_eager: bool = False):
     from ioattn.engine.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-               device=args.device, scheduling=scheduling)
+               device=args.device, scheduling=scheduling, tensor_parallel_size=tensor_parallel_size,
+               enforce_eager=enforce_eager)
 
 
 def _release_device() -> None:
@@ -71,27 +83,47 @@ def _release_device() -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class Pacing:
+    """When requests are added: at these offsets (seconds after the start), at most `concurrency` unfinished."""
+
+    offsets: list[float]
+    concurrency: int | None = None
+
+    @classmethod
+    def all_at_once(cls, work: list[WorkItem]) -> Pacing:
+        return cls([0.0] * len(work))
+
+    @classmethod
+    def from_args(cls, work: list[WorkItem], args) -> Pacing:
+        return cls(arrival_offsets(len(work), args.request_rate, args.seed), args.concurrency)
+
+
 # -- ioattn (continuous and static) -------------------------------------------------------------------------------
 
 
-def run_ioattn(work: list[WorkItem], warmup: list[WorkItem], args, scheduling: str, decode_batch: int = 0) -> dict:
-    """The workload through `LLM(..., scheduling=scheduling)`; with `decode_batch`, then the batch-B decode step."""
-    llm = _llm(args, scheduling)
+def run_ioattn(work: list[WorkItem], warmup: list[WorkItem], args, scheduling: str, decode_batch: int = 0, *,
+               tensor_parallel_size: int = 1, enforce_eager: bool = False, pacing: Pacing | None = None) -> dict:
+    """The workload through `LLM(..., scheduling=scheduling)` (all at once unless paced); with `decode_batch`, then
+    the batch-B decode step."""
+    llm = _llm(args, scheduling, tensor_parallel_size, enforce_eager)
     try:
-        _run_engine(llm, warmup, args.temperature)
-        result = _run_engine(llm, work, args.temperature)
+        _run_engine(llm.engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        result = _run_engine(llm.engine, work, args.temperature, pacing or Pacing.all_at_once(work))
         if decode_batch:
             result["decode_step"] = time_decode_step(llm, work, decode_batch)
         return result
     finally:
+        llm.shutdown()
         del llm
         _release_device()
 
 
-def _run_engine(llm, work: list[WorkItem], temperature: float) -> dict:
+def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing) -> dict:
+    """Add each request when its pacing allows (its arrival time: its offset, or when a concurrency slot freed),
+    step until all finished; the KV manager is read after every step."""
     from ioattn.engine.sampling import SamplingParams
 
-    engine = llm.engine
     before = engine.kv.stats()
     preemptions_before = engine.scheduler.num_preemptions
     static = engine.scheduler_config.mode == "static"
@@ -99,18 +131,28 @@ def _run_engine(llm, work: list[WorkItem], temperature: float) -> dict:
     pool_slots = engine.kv.num_blocks * engine.kv.block_size
     utilization, pool_usage = [], []
     outputs = {}
-    start = time.perf_counter()
-    for i, item in enumerate(work):
-        params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature)
-        engine.add_request(f"bench-{i}", params=params, prompt_token_ids=item.prompt_token_ids)
-    while engine.has_unfinished_requests():
+    added = 0
+    start = time.monotonic()
+    while added < len(work) or engine.has_unfinished_requests():
+        now = time.monotonic()
+        while (added < len(work) and start + pacing.offsets[added] <= now
+               and (pacing.concurrency is None or added - len(outputs) < pacing.concurrency)):
+            item = work[added]
+            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature)
+            arrival = start + pacing.offsets[added] if pacing.concurrency is None else now
+            engine.add_request(f"bench-{added}", params=params, prompt_token_ids=item.prompt_token_ids,
+                               arrival_time=arrival)
+            added += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + pacing.offsets[added] - time.monotonic()))
+            continue
         outputs.update((out.request_id, out) for out in engine.step() if out.finished)
         stats = engine.kv.stats()
         committed = stats.sequences_running * reserved_slots_per_seq if static else stats.slots_allocated
         if committed:
             utilization.append(stats.tokens_held / committed)
         pool_usage.append(stats.blocks_used / engine.kv.num_blocks)
-    duration = time.perf_counter() - start
+    duration = time.monotonic() - start
 
     results = []
     for i in range(len(work)):
@@ -201,7 +243,8 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
     dtype = model.model.embed_tokens.weight.dtype
     weight_bytes = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     if not model.config.tie_word_embeddings:  # a decode step reads only its B rows of the embedding table
-        weight_bytes -= (model.config.vocab_size - batch) * model.config.hidden_size * dtype.itemsize
+        rows = model.model.embed_tokens.weight.shape[0]  # this rank's share under tensor parallelism
+        weight_bytes -= (rows - min(batch, rows)) * model.config.hidden_size * dtype.itemsize
     kv_bytes = round(batch * measured_context * ModelRunner.block_bytes(model.config, 1, dtype))
     return {"batch": batch, "context_mean": measured_context, "step_ms_median": statistics.median(times),
             "steps_timed": len(times), "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
@@ -335,7 +378,7 @@ def run_systems(work: list[WorkItem], args, systems: list[str]) -> dict:
         else:
             decode_batch = args.decode_batch if name == "ioattn" else 0
             out["systems"][name] = run_ioattn(work, warmup, args, "continuous" if name == "ioattn" else "static",
-                                              decode_batch)
+                                              decode_batch, tensor_parallel_size=args.tp[0])
     ours = out["systems"].get("ioattn", {})
     if "decode_step" in ours:
         out["decode_step"] = ours.pop("decode_step")
@@ -345,9 +388,85 @@ def run_systems(work: list[WorkItem], args, systems: list[str]) -> dict:
         theirs = out["systems"].get(peer, {})
         if ours.get("output_tokens_per_s") and theirs.get("output_tokens_per_s"):
             out[f"ioattn_over_{peer}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
-        # Same weights, same greedy rule: the first generated tokens agree but for rounding near-ties.
-        if args.temperature == 0 and first_tokens.get("ioattn") and first_tokens.get(peer):
-            pairs = [(a, b) for a, b in zip(first_tokens["ioattn"], first_tokens[peer]) if None not in (a, b)]
-            if pairs:
-                theirs["first_token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+        if args.temperature == 0:
+            _add_agreement(theirs, first_tokens.get("ioattn"), first_tokens.get(peer))
     return out
+
+
+def _add_agreement(run: dict, reference: list | None, tokens: list | None) -> None:
+    """Same weights, same greedy rule: the first generated tokens agree but for rounding near-ties."""
+    pairs = [(a, b) for a, b in zip(reference or [], tokens or []) if None not in (a, b)]
+    if pairs:
+        run["first_token_agreement"] = sum(a == b for a, b in pairs) / len(pairs)
+
+
+def _ratios(ours: dict, base: dict) -> dict:
+    """ours / base for throughput and the latency percentiles (None where either is missing)."""
+    keys = ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99")
+    return {key: ours[key] / base[key] if ours.get(key) and base.get(key) else None for key in keys}
+
+
+# -- tensor parallelism: TP 1 vs TP N, and disaggregated vs colocated -------------------------------------------
+
+
+TP_NOTE = ("tensor-parallel steps run without CUDA graphs (the forward pass holds collectives), so every TP size, "
+           "TP 1 included, runs eager here: the ratio is TP's own effect, not graphs vs no graphs")
+
+
+def run_tp_sweep(work: list[WorkItem], args) -> dict:
+    """The workload (paced by --request-rate / --concurrency) through our continuous engine at each `args.tp`
+    size, eager; rows `ioattn-tpN`, ratios against the first size, greedy first-token agreement with it."""
+    warmup, pacing = warmup_workload(work, args.seed), Pacing.from_args(work, args)
+    systems = {f"ioattn-tp{size}": run_ioattn(work, warmup, args, "continuous", tensor_parallel_size=size,
+                                              enforce_eager=True, pacing=pacing) for size in args.tp}
+    return _side_by_side(systems, args.temperature, TP_NOTE)
+
+
+DISAGG_NOTE = ("disaggregated: the prefill worker on its own process (GPU 1 on CUDA) ships each prompt's full KV "
+               "blocks to the decode engine (GPU 0), whose prefix cache takes them in; colocated: one engine (GPU 0) "
+               "with chunked prefill mixed into decode steps; TTFT counts from the request's arrival")
+
+
+def run_disaggregated(work: list[WorkItem], args) -> dict:
+    """The workload (paced by --request-rate / --concurrency) through the colocated `LLMEngine` and the
+    `DisaggregatedEngine` pair, same settings; rows `colocated` and `disaggregated`, ratios disaggregated /
+    colocated, and the KV blocks the prefill worker shipped.
+
+    With Poisson arrivals, TTFT of the disaggregated pair is an upper bound: while its decode side has nothing to
+    run, `step()` blocks until a transfer arrives, so requests arriving meanwhile reach the prefill worker late
+    (their TTFT still counts from their arrival). `--concurrency` alone has no such wait: no slot frees then."""
+    from ioattn.distributed import DisaggregatedEngine
+    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+                          gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                          device=args.device)
+    warmup, pacing = warmup_workload(work, args.seed), Pacing.from_args(work, args)
+    systems = {}
+    engine = LLMEngine(args.model, config)
+    try:
+        _run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        systems["colocated"] = _run_engine(engine, work, args.temperature, pacing)
+    finally:
+        del engine
+        _release_device()
+    with DisaggregatedEngine(args.model, config) as engine:
+        _run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        shipped_before = engine.shipped_blocks
+        systems["disaggregated"] = _run_engine(engine, work, args.temperature, pacing)
+        systems["disaggregated"]["shipped_blocks"] = engine.shipped_blocks - shipped_before
+    del engine
+    _release_device()
+    return _side_by_side(systems, args.temperature, DISAGG_NOTE)
+
+
+def _side_by_side(systems: dict, temperature: float, note: str) -> dict:
+    """Rows, each row's ratios to the first and (greedy) its first-token agreement with it, and the note."""
+    first_tokens = {name: run.pop("first_tokens") for name, run in systems.items()}
+    base, *others = systems
+    ratios = {}
+    for name in others:
+        ratios[f"{name} / {base}"] = _ratios(systems[name], systems[base])
+        if temperature == 0:
+            _add_agreement(systems[name], first_tokens[base], first_tokens[name])
+    return {"systems": systems, "ratios": ratios, "notes": [note]}
