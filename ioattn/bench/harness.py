@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -215,11 +216,11 @@ def _nvidia_driver() -> str:
 
 def collect_disclosure(device: str, command: str) -> dict[str, Any]:
     """Everything a reader needs to reproduce or discount a run: machine, software versions, command line."""
+    # read triton's version without importing it: on a CPU-only machine triton must load after ioattn.kernels
+    # has selected the interpreter (see ioattn/kernels/__init__.py)
     try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
+        triton_version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         triton_version = "not installed"
     import numpy
 

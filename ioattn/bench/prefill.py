@@ -152,18 +152,24 @@ def _run_ioattn(case: Case, qkv, args) -> Runner:
     q, k, v = _leaves(qkv, False, args.backward)
     kwargs = dict(causal=case.causal, backend=args.ioattn_backend)
     plan = explain(q, k, v, **kwargs)
-    runner = Runner(lambda: flash_attn_func(q, k, v, **kwargs), (q, k, v), False, _describe_plan(plan))
+    runner = Runner(lambda: flash_attn_func(q, k, v, **kwargs), (q, k, v), False,
+                    _describe_plan(plan, backward=args.backward))
     runner.explanation = " ".join(str(plan).split())
     return runner
 
 
-def _describe_plan(plan) -> str:
-    """Kernel and tiles, short enough for a table cell (the whole explanation goes to the JSON)."""
+def _describe_plan(plan, backward: bool = False) -> str:
+    """Kernel and tiles (and the backward's, in --backward mode), short enough for a table cell; the whole
+    explanation goes to the JSON."""
     kernel = getattr(plan, "kernel", None)
     if kernel is None:
         return " ".join(str(plan).split())
     tiles = getattr(plan, "config", None) or getattr(plan, "torch_tiles", None)
-    return f"{getattr(plan, 'backend', '')} {kernel.rsplit('.', 1)[-1]} {tiles}".strip()
+    text = f"{getattr(plan, 'backend', '')} {kernel.rsplit('.', 1)[-1]} {tiles}".strip()
+    bwd_kernel = getattr(plan, "bwd_kernel", None)
+    if backward and bwd_kernel:
+        text += f"; backward {bwd_kernel.rsplit('.', 1)[-1]} {getattr(plan, 'bwd_config', None) or ''}".rstrip()
+    return text
 
 
 def _run_sdpa(name: str, case: Case, qkv, args) -> Runner:

@@ -292,3 +292,16 @@ def test_command_line_helpers(tmp_path, capsys):
     assert paths["md"] == str(tmp_path / "explicit.md") and (tmp_path / "explicit.md").read_text() == "# report\n"
     assert paths["json"].name.endswith("-probe-cpu.json") and paths["png"].suffix == ".png"
     assert harness.read_json(paths["json"])[1] == rows and not paths["png"].exists()
+
+
+def test_bench_prefill_quick_from_a_fresh_interpreter():
+    """No earlier import of ioattn.kernels here (unlike this test session): the harness must not load triton
+    before ioattn selects the CPU interpreter, or every ioattn row fails on a machine without CUDA."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "ioattn.cli", "bench", "prefill", "--quick", "--backends", "ioattn"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("[")]
+    assert rows and all("failed" not in line and "unsupported" not in line for line in rows), result.stdout[-2000:]
