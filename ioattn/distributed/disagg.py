@@ -4,11 +4,13 @@
 prefill worker (rank 1) running its own engine on the same checkpoint. A request's prompt goes to the prefill
 worker, which runs the prompt and ships back only that request's full KV blocks — the ones a prefix-cache lookup
 can use, i.e. those before the block of the last prompt token — with their chained prefix hashes, through
-torch.distributed send/recv (gloo on the CPU, NCCL between GPUs). The decode side checks each hash against the
-prompt's tokens, writes the blocks into free blocks of its own pool and registers them in its prefix cache, then
-admits the request: the scheduler's prefix lookup finds the shipped blocks, so decode computes only the prompt's
-last partial block (fewer than block_size tokens, which also yields the first token) and the generated tokens.
-Sampling happens on the decode side only, so outputs equal the colocated engine's token for token.
+torch.distributed send/recv (gloo on the CPU, NCCL between GPUs); `KVCacheManager.export_prefix` names them. The
+decode side's `KVCacheManager.import_prefix` checks each hash against the prompt's tokens and registers fresh
+blocks of its own pool in its prefix cache (all or none: a pool too full to hold them now imports none), the
+shipped KV is copied into them, then the request is admitted: the scheduler's prefix lookup finds the shipped
+blocks, so decode computes only the prompt's last partial block (fewer than block_size tokens, which also yields
+the first token) and the generated tokens. Sampling happens on the decode side only, so outputs equal the
+colocated engine's token for token.
 
 Control messages go over a multiprocessing pipe (pollable, and it closes when a process dies): decode -> prefill
 `(PREFILL, ticket, token ids)` or `(STOP,)`; prefill -> decode `(SHIPPED, ticket, n_blocks)` or `(STOPPED,)`. The
@@ -34,22 +36,12 @@ from ioattn.distributed.worker import JOIN_TIMEOUT_S, WorkerDiedError
 from ioattn.engine.llm_engine import EngineConfig, LLMEngine
 from ioattn.engine.sampling import SamplingParams
 from ioattn.engine.sequence import RequestMetrics, RequestOutput
-from ioattn.kv.prefix_hash import DIGEST_SIZE, ROOT, block_digest, block_key
+from ioattn.kv.prefix_hash import DIGEST_SIZE
 
 PREFILL, SHIPPED, STOP, STOPPED = "prefill", "shipped", "stop", "stopped"
 DECODE_RANK, PREFILL_RANK = 0, 1
 # How often a waiting side looks at its pending receive and at its peer's liveness.
 POLL_S = 0.001
-
-
-def prompt_block_keys(token_ids: list[int], block_size: int) -> list[tuple]:
-    """(key, digest) of each full block before the block of the prompt's last token (the prefix-cacheable ones)."""
-    keys, parent = [], ROOT
-    for i in range((len(token_ids) - 1) // block_size):
-        key = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], None)
-        parent = block_digest(key)
-        keys.append((key, parent))
-    return keys
 
 
 def _prefill_main(port: int, model: str, config: EngineConfig, device_type: str, timeout_s: float, conn) -> None:
@@ -84,17 +76,13 @@ def _serve_prefills(engine: LLMEngine, conn) -> None:
 
 
 def _ship(engine: LLMEngine, conn, ticket: int, token_ids: list[int]) -> None:
-    """Send the prompt's computed full blocks (still in the prefix cache right after the request finished)."""
-    blocks, digests = [], []
-    for key, digest in prompt_block_keys(token_ids, engine.config.block_size):
-        block = engine.kv.gpu.lookup(key)
-        if block is None:
-            break  # evicted already (a tiny pool): decode recomputes from here
-        blocks.append(block)
-        digests.append(digest)
-    conn.send((SHIPPED, ticket, len(blocks)))
-    if not blocks:
+    """Send the prompt's computed full blocks, still in the prefix cache right after the request finished (up to
+    the first one evicted already, in a tiny pool: decode recomputes from there)."""
+    exported = engine.kv.export_prefix(token_ids)
+    conn.send((SHIPPED, ticket, len(exported)))
+    if not exported:
         return
+    blocks, digests = zip(*exported)
     index = torch.tensor(blocks, dtype=torch.int64, device=engine.runner.device)
     kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
                       for k, v in zip(engine.runner.k_caches, engine.runner.v_caches)])
@@ -201,7 +189,7 @@ class DisaggregatedEngine(LLMEngine):
             shape = (self.runner.config.num_layers, 2, num_blocks, *self.runner.k_caches[0].shape[1:])
             kv = torch.empty(shape, dtype=self.runner.dtype, device=device)
             dist.recv(kv, src=PREFILL_RANK)
-            self._import_blocks(args["prompt_token_ids"], digests.cpu().numpy().tobytes(), kv)
+            self._import_blocks(args["prompt_token_ids"], [bytes(row) for row in digests.tolist()], kv)
         if args.pop("aborted", False):
             return
         try:
@@ -212,32 +200,22 @@ class DisaggregatedEngine(LLMEngine):
                 metrics=RequestMetrics(arrival_time=args["arrival_time"]), error=str(error),
             ))
 
-    def _import_blocks(self, token_ids: list[int], digests: bytes, kv: torch.Tensor) -> None:
-        """Write shipped blocks into this pool and register them in its prefix cache (unheld, so evictable)."""
-        pool, held, written = self.kv.gpu, [], 0
-        keys = prompt_block_keys(token_ids, self.config.block_size)[: kv.shape[2]]
-        for i, (key, digest) in enumerate(keys):
-            if digest != digests[i * DIGEST_SIZE : (i + 1) * DIGEST_SIZE]:
-                raise RuntimeError(f"prefill worker shipped block {i} with a prefix hash that does not match the "
-                                   "prompt's tokens; the two sides disagree on the block layout")
-            block = pool.lookup(key)
-            if block is not None:
-                # This engine has the block already (a shared prefix); held so that take() cannot evict it.
-                pool.share(block)
-                held.append(block)
-                continue
-            if pool.num_available <= self.kv.watermark_blocks:
-                break  # no room: decode recomputes the rest of the prompt
-            block = pool.take()
-            for layer, (k_cache, v_cache) in enumerate(zip(self.runner.k_caches, self.runner.v_caches)):
-                k_cache[block].copy_(kv[layer, 0, i])
-                v_cache[block].copy_(kv[layer, 1, i])
-            pool.register(block, key, digest)
-            held.append(block)
-            written += 1
-        for block in reversed(held):  # deepest first into the LRU, as the manager releases a sequence
-            pool.release(block)
-        self.shipped_blocks += written
+    def _import_blocks(self, token_ids: list[int], digests: list[bytes], kv: torch.Tensor) -> None:
+        """Copy shipped blocks into this pool's prefix cache (cached, unheld, so evictable); those it has already
+        (a shared prefix) are not copied again."""
+        try:
+            writes = self.kv.import_prefix(token_ids, digests)
+        except ValueError as error:
+            raise RuntimeError("prefill worker shipped blocks whose prefix hashes do not match the prompt's tokens; "
+                               "the two sides disagree on the block layout") from error
+        if not writes:
+            return  # None: no room now, decode recomputes the prompt; []: every block is cached here already
+        shipped = torch.tensor([i for i, _ in writes], dtype=torch.int64, device=kv.device)
+        blocks = torch.tensor([block for _, block in writes], dtype=torch.int64, device=kv.device)
+        for layer, (k_cache, v_cache) in enumerate(zip(self.runner.k_caches, self.runner.v_caches)):
+            k_cache.index_copy_(0, blocks, kv[layer, 0].index_select(0, shipped))
+            v_cache.index_copy_(0, blocks, kv[layer, 1].index_select(0, shipped))
+        self.shipped_blocks += len(writes)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
 

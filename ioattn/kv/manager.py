@@ -43,6 +43,13 @@ Decisions, and why:
   tokens and the last `window_tokens`, and marks their table entries `EVICTED` (-1): logical positions stay
   (RoPE positions and the table's indexing do not move), `slot_mapping` over them raises, and the paged
   kernel, given the same sinks and window, never reads them.
+- **Export and import of computed prefixes (disaggregated prefill/decode).** `export_prefix` names the cached
+  blocks a prompt would hit, with their digests; another manager's `import_prefix` checks each digest against
+  the prompt's tokens, registers fresh blocks under those keys and returns the (shipped index, block) writes
+  for the caller to copy into. Imported blocks end cached and unheld, exactly like a finished sequence's:
+  the next `allocate` of that prompt hits them, and until then the LRU may evict them (deepest first). An
+  import therefore leaves the number of available blocks unchanged, so the admission watermark does not apply.
+  Like every other verb it is all or nothing (None); a caller that wants part of a chain passes fewer digests.
 """
 
 from __future__ import annotations
@@ -325,6 +332,64 @@ class KVCacheManager:
                 freed.append(block)
         self.window_evicted_blocks += len(freed)
         return freed
+
+    # -- prefix transfer between managers ----------------------------------------------------------------
+
+    def export_prefix(self, token_ids: Iterable[int], extra_key: Hashable = None) -> list[tuple[int, bytes]]:
+        """(block, digest) of each cached block that `allocate(token_ids, extra_key)` would hit, in order.
+
+        Changes nothing; the caller reads the blocks' KV before the next call that may take a block (and
+        evict one of them). The digests are what another manager's `import_prefix` checks.
+        """
+        check_extra_key(extra_key)
+        hits, digests = self._hits(list(token_ids), extra_key)
+        return list(zip(hits, digests))
+
+    def import_prefix(
+        self, token_ids: Iterable[int], digests: Iterable[bytes], extra_key: Hashable = None
+    ) -> list[tuple[int, int]] | None:
+        """Take in the first len(digests) full blocks of token_ids, computed elsewhere; the (i, block) writes
+        to run, or None.
+
+        digests[i] is block i's chained digest (another manager's `export_prefix`), checked against the
+        tokens. Blocks already cached here are kept; each other block i gets a fresh block registered under
+        its key, into which the caller copies the shipped block i's KV before the next forward pass. All end
+        cached and unheld (see the module docstring). None when the pool cannot hold them all at once (too
+        many blocks held by sequences); a digest that does not match raises ValueError; state unchanged.
+        """
+        if not self.enable_prefix_caching:
+            raise ValueError("import_prefix needs enable_prefix_caching=True: imported blocks enter the prefix cache")
+        check_extra_key(extra_key)
+        tokens, digests = list(token_ids), list(digests)
+        bs = self.block_size
+        if len(digests) * bs > len(tokens):
+            raise ValueError(f"token_ids: {len(tokens)} tokens cannot fill {len(digests)} blocks of {bs} (digests)")
+        keys, parent = [], ROOT
+        for i, digest in enumerate(digests):
+            key = block_key(parent, tokens[i * bs : (i + 1) * bs], extra_key)
+            parent = block_digest(key)
+            if digest != parent:
+                raise ValueError(
+                    f"digests[{i}] is not the chained digest of block {i} of token_ids with extra_key {extra_key!r}"
+                )
+            keys.append(key)
+        blocks = [self.gpu.lookup(key) for key in keys]
+        unheld = sum(1 for block in blocks if block is None or self.gpu.ref_count[block] == 0)
+        if unheld > self.gpu.num_available:
+            return None
+        # Hold the blocks cached already before taking fresh ones, so take() cannot evict them.
+        for block in blocks:
+            if block is not None:
+                self.gpu.share(block)
+        writes = []
+        for i, key in enumerate(keys):
+            if blocks[i] is None:
+                blocks[i] = self.gpu.take()
+                self.gpu.register(blocks[i], key, digests[i])
+                writes.append((i, blocks[i]))
+        for block in reversed(blocks):
+            self.gpu.release(block)
+        return writes
 
     # -- plans for the runner ------------------------------------------------------------------------------
 

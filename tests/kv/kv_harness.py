@@ -11,10 +11,23 @@ import random
 from collections import Counter
 
 from ioattn.kv import EVICTED, KVCacheManager
+from ioattn.kv.prefix_hash import ROOT, block_digest, block_key
 
 # Shared prompt prefixes: different lengths, one a continuation of another, so hits stop at various depths.
 PREFIXES = ([], [7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 7, 1, 2, 3, 4, 5, 6, 50, 51], [9] * 9)
 EXTRA_KEYS = (None, None, None, "adapter-a")
+# allocate's default: draw the extra_key at random.
+RANDOM_EXTRA_KEY = object()
+
+
+def chain_keys(tokens: list[int], block_size: int, extra_key) -> list[tuple]:
+    """(key, digest) of every full block of tokens, chained from ROOT: the reference for export and import."""
+    keys, parent = [], ROOT
+    for i in range(len(tokens) // block_size):
+        key = block_key(parent, tokens[i * block_size : (i + 1) * block_size], extra_key)
+        parent = block_digest(key)
+        keys.append((key, parent))
+    return keys
 
 
 def snapshot(manager: KVCacheManager):
@@ -43,7 +56,7 @@ def random_manager(rng: random.Random) -> KVCacheManager:
 class KVHarness:
     # free appears twice so that memory pressure comes and goes instead of pinning the pool full.
     OPS = ("allocate", "resume", "append", "compute", "fork", "free", "free", "swap_out", "swap_in",
-           "evict_window", "read", "bad_input")
+           "evict_window", "read", "export_prefix", "import_prefix", "bad_input")
 
     def __init__(self, manager: KVCacheManager):
         self.m = manager
@@ -82,11 +95,14 @@ class KVHarness:
 
     # -- operations ----------------------------------------------------------------------------------------
 
-    def allocate(self, rng: random.Random, is_resume: bool = False, seq_id=None, tokens=None) -> None:
+    def allocate(self, rng: random.Random, is_resume: bool = False, seq_id=None, tokens=None,
+                 extra_key=RANDOM_EXTRA_KEY) -> int | None:
+        """The number of cached tokens allocate returned (None: refused)."""
         seq_id = self._new_id() if seq_id is None else seq_id
         tokens = self._prompt(rng) if tokens is None else tokens
+        extra_key = rng.choice(EXTRA_KEYS) if extra_key is RANDOM_EXTRA_KEY else extra_key
         before = snapshot(self.m)
-        cached = self.m.allocate(seq_id, tokens, rng.choice(EXTRA_KEYS), is_resume=is_resume)
+        cached = self.m.allocate(seq_id, tokens, extra_key, is_resume=is_resume)
         if cached is None:
             return self._refused("allocate", before)
         assert cached % self.m.block_size == 0 and 0 <= cached < len(tokens), cached
@@ -100,6 +116,7 @@ class KVHarness:
             assert stats.prefix_hit_tokens == old.prefix_hit_tokens + cached
         self._check_writable(seq_id, cached, len(tokens))
         self.outcomes["allocate:hit" if cached else "allocate:ok"] += 1
+        return cached
 
     def resume(self, rng: random.Random) -> None:
         """Preempt by recompute: free a running sequence, re-admit it with everything it has so far."""
@@ -190,10 +207,66 @@ class KVHarness:
             if block != EVICTED:
                 assert self.m.slot_mapping(seq_id, i * bs, end) == list(range(block * bs, block * bs + end - i * bs))
 
+    def export_prefix(self, rng: random.Random) -> None:
+        """The exported blocks are the longest cached chain allocate would hit; importing them back is a no-op."""
+        tokens, extra_key, bs = self._prompt(rng), rng.choice(EXTRA_KEYS), self.m.block_size
+        before = snapshot(self.m)
+        exported = self.m.export_prefix(tokens, extra_key)
+        self._expect_unchanged(before, "export_prefix", exported)
+        hittable = chain_keys(tokens[: len(tokens) - 1], bs, extra_key)
+        assert len(exported) <= len(hittable)
+        for (block, digest), (key, ref_digest) in zip(exported, hittable):
+            assert digest == ref_digest and self.m.gpu.key_of[block] == key, (block, key)
+        if len(exported) < len(hittable):
+            assert self.m.gpu.lookup(hittable[len(exported)][0]) is None, "export stopped before a cached block"
+        if exported:
+            assert self.m.import_prefix(tokens, [digest for _, digest in exported], extra_key) == []
+            self.outcomes["export_prefix:hit"] += 1
+
+    def import_prefix(self, rng: random.Random) -> None:
+        """Import a prompt's first blocks with reference digests (now and then a corrupted one), then allocate
+        the prompt: it hits every imported block before its last token's block."""
+        tokens, extra_key, bs = self._prompt(rng), rng.choice(EXTRA_KEYS), self.m.block_size
+        keys = chain_keys(tokens, bs, extra_key)[: rng.randint(0, len(tokens) // bs)]
+        digests = [digest for _, digest in keys]
+        corrupt = bool(digests) and rng.random() < 0.2
+        if corrupt:
+            i = rng.randrange(len(digests))
+            digests[i] = bytes([digests[i][0] ^ 1]) + digests[i][1:]
+        before = snapshot(self.m)
+        if corrupt or not self.m.enable_prefix_caching:
+            try:
+                self.m.import_prefix(tokens, digests, extra_key)
+            except ValueError:
+                self._expect_unchanged(before, "import_prefix")
+                self.outcomes["bad_input:import_prefix"] += 1
+                return
+            raise AssertionError("import_prefix took a wrong digest, or imported with prefix caching off")
+        available = self.m.gpu.num_available
+        writes = self.m.import_prefix(tokens, digests, extra_key)
+        if writes is None:
+            return self._refused("import_prefix", before)
+        cached_before = before[1][0][3]
+        written = dict(writes)
+        assert sorted(written) == [i for i, (key, _) in enumerate(keys) if key not in cached_before], writes
+        for i, (key, _) in enumerate(keys):
+            block = self.m.gpu.lookup(key)
+            assert block == written.get(i, cached_before.get(key)), (i, block)
+            assert i not in written or self.m.gpu.ref_count[block] == 0, f"imported block {block} is held"
+        assert self.m.gpu.num_available == available, "an import changed the number of available blocks"
+        self.outcomes["import_prefix:write" if writes else "import_prefix:ok"] += 1
+        cached = self.allocate(rng, tokens=tokens, extra_key=extra_key)
+        if cached is not None:
+            assert cached >= min(len(keys), (len(tokens) - 1) // bs) * bs, (cached, len(keys))
+            if cached and writes:
+                self.outcomes["import_prefix:allocate_hit"] += 1
+
     def bad_input(self, rng: random.Random) -> None:
         """A call that must raise ValueError and change nothing."""
         running, swapped, anyone = self._pick(rng, True), self._pick(rng, False), self._pick(rng)
-        calls = [("free", lambda: self.m.free("no-such-seq")), ("allocate", lambda: self.m.allocate(1, []))]
+        calls = [("free", lambda: self.m.free("no-such-seq")), ("allocate", lambda: self.m.allocate(1, [])),
+                 ("import_prefix", lambda: self.m.import_prefix([1], [bytes(32)])),
+                 ("export_prefix", lambda: self.m.export_prefix([1, 2], extra_key=[1]))]
         if anyone is not None:
             calls += [("allocate", lambda: self.m.allocate(anyone, [1])),
                       ("extra_key", lambda: self.m.allocate(self._new_id(), [1], extra_key=[1]))]

@@ -265,6 +265,13 @@ def test_evict_window_keeps_positions():
         (lambda m: m.mark_computed("a", 0), "num_tokens"),  # already computed 6
         (lambda m: m.evict_window("a", -1, 4), "sink_tokens"),
         (lambda m: m.evict_window("a", 0, 0), "window_tokens"),
+        (lambda m: m.export_prefix(range(6), extra_key=[1]), "extra_key"),
+        (lambda m: m.import_prefix(range(4), [bytes(32)], extra_key=[1]), "extra_key"),
+        (lambda m: m.import_prefix(range(7), [bytes(32)] * 2), "cannot fill"),
+        # A right first digest and a wrong second: nothing of the first is imported either.
+        (lambda m: m.import_prefix(range(8), [m.export_prefix(range(6))[0][1], bytes(32)]), r"digests\[1\]"),
+        # The right tokens under another extra_key are another block.
+        (lambda m: m.import_prefix(range(4), [m.export_prefix(range(6))[0][1]], extra_key="x"), r"digests\[0\]"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(call, match):
@@ -276,6 +283,56 @@ def test_bad_input_raises_and_changes_nothing(call, match):
     with pytest.raises(ValueError, match=match):
         call(m)
     assert snapshot(m) == before
+
+
+def test_export_then_import_into_another_manager_hits():
+    prefill, decode = KVCacheManager(8, BS, watermark=0.0), KVCacheManager(8, BS, watermark=0.0)
+    prompt = list(range(100, 111))  # full blocks 0 and 1 before the block of the last token
+    computed(prefill, "p", prompt)
+    prefill.free("p")
+    before = snapshot(prefill)
+    exported = prefill.export_prefix(prompt)
+    assert snapshot(prefill) == before
+    assert exported == [(0, block_digest(block_key(ROOT, prompt[:4], None))), (1, exported[1][1])]
+    digests = [digest for _, digest in exported]
+    # The decode side has the first block already (a shared prefix, held by a running sequence).
+    computed(decode, "other", prompt[:4] + [7])
+    assert decode.import_prefix(prompt, digests) == [(1, 2)]
+    decode.check_invariants()
+    stats = decode.stats()
+    assert (stats.blocks_used, stats.blocks_cached) == (2, 1)
+    assert decode.import_prefix(prompt, digests) == []  # all cached now: nothing to write
+    assert computed(decode, "d", prompt) == 8
+    assert decode.block_table("d")[:2] == [0, 2]
+    assert decode.export_prefix(prompt) == exported[:1] + [(2, digests[1])]
+
+
+def test_import_is_all_or_nothing_ignores_the_watermark_and_evicts_deepest_first():
+    m = KVCacheManager(4, BS, watermark=0.25)  # 1 block of admission reserve
+    m.allocate("held", range(50, 58))  # blocks 0 and 1
+    prompt = list(range(12))
+    digests = [block_digest(block_key(ROOT, prompt[:4], None))]
+    for i in (1, 2):
+        digests.append(block_digest(block_key(digests[-1], prompt[4 * i : 4 * i + 4], None)))
+    before = snapshot(m)
+    assert m.import_prefix(prompt, digests) is None  # 3 blocks, 2 available
+    assert snapshot(m) == before
+    # Imported blocks end cached and unheld, so an import takes nothing from the reserve (allocate would refuse).
+    assert m.import_prefix(prompt, digests[:2]) == [(0, 2), (1, 3)]
+    assert m.stats().blocks_cached == 2 and m.gpu.num_available == 2
+    m.free("held")
+    m.allocate("x", [9] * 9)  # 3 blocks: the two free ones, then the LRU's oldest: the import's deepest block
+    assert m.block_table("x") == [0, 1, 3]
+    m.free("x")
+    assert m.allocate("y", prompt) == 4
+    m.check_invariants()
+
+
+def test_import_needs_prefix_caching():
+    m = KVCacheManager(4, BS, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        m.import_prefix(range(4), [block_digest(block_key(ROOT, range(4), None))])
+    assert m.export_prefix(range(9)) == []
 
 
 def test_double_free_raises():

@@ -55,7 +55,8 @@ def test_random_soak_ci():
     outcomes = soak(20_000, seed=1)
     # The walk must actually reach the interesting states, or the soak proves little.
     for outcome in ("allocate:hit", "allocate:none", "append:cow", "append:none", "swap_out:ok", "swap_in:ok",
-                    "evict_window:ok", "evictions", "resume_hit_tokens"):
+                    "evict_window:ok", "evictions", "resume_hit_tokens", "export_prefix:hit", "import_prefix:write",
+                    "import_prefix:none", "import_prefix:allocate_hit", "bad_input:import_prefix"):
         assert outcomes[outcome] > 0, outcome
 
 
