@@ -179,8 +179,8 @@ def flash_attn_with_config(q, k, v, config: FwdConfig | None, causal=False, wind
     """flash_attn_func on the Triton kernels with explicit tile configurations instead of the tuned tables
     (None keeps the table's choice).
 
-    For tuning and benchmarks: time every `dispatch.candidate_configs(D, dtype)` entry (forward) or
-    `prefill_bwd.candidate_configs(D, dtype)` entry (backward) with it. Returns (out, lse).
+    `ioattn bench tune` times every `dispatch.candidate_configs(D, dtype)` entry through it; a `bwd_config` from
+    `prefill_bwd.candidate_configs(D, dtype)` applies to the backward of this call. Returns (out, lse).
     """
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
     return _apply(q, k, v, inputs, "triton", False, deterministic, config=config, bwd_config=bwd_config)
