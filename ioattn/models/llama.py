@@ -5,9 +5,12 @@ sequence in the batch back to back (prefill chunks and decode tokens alike), so 
 Attention is the one place that needs to know where sequences start and what they have cached; the model hands
 it over to a pluggable callable `attention(q, k, v, layer_idx, ctx)` with q (T, Hq, D), k/v (T, Hkv, D) after
 RoPE, and `ctx` an object the caller built for this batch (the engine passes its paged-KV context; tests and
-simple generation pass `DenseCausalAttention`). Parameter names are those of Hugging Face checkpoints, except
-that q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`, `gate_up_proj`);
-`checkpoint_layout` says where each checkpoint tensor goes.
+simple generation pass `DenseCausalAttention`). On CUDA the elementwise work runs as fused Triton kernels
+(`ioattn.ops.fused`, rounded exactly as the torch code here) and each residual add is folded into the norm that
+follows it, so every layer passes on (sublayer output, residual stream); elsewhere the plain torch code runs
+(the same operations, so its results are bit for bit unchanged). Parameter names are those of Hugging Face
+checkpoints, except that q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`,
+`gate_up_proj`); `checkpoint_layout` says where each checkpoint tensor goes.
 """
 
 from __future__ import annotations
@@ -32,7 +35,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normed x; given `residual`, (normed (x + residual), x + residual): the sum is the new residual stream
+        (on CUDA written into `residual` in place)."""
+        if x.is_cuda:
+            return _fused_ops().rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._normed(x)
+        residual = x + residual
+        return self._normed(residual), residual
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and scale after casting back, in the order transformers uses, so that bf16/fp16
         # models round exactly as their reference implementation does.
         x32 = x.float()
@@ -74,6 +87,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+@dataclass
+class Rotary:
+    """One batch's RoPE, called as `rotary(q, k) -> (q, k)` rotated. On CUDA the fused kernel rotates q and k in
+    place and computes its angles itself; elsewhere the cos/sin tables are built once per batch for all layers."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        if positions.is_cuda:
+            return cls(positions, inv_freq)
+        return cls(positions, inv_freq, *rotary_cos_sin(inv_freq, positions, dtype))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos is None:
+            _fused_ops().rotary_embedding_(q, k, self.positions, self.inv_freq)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -88,7 +124,7 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x, cos, sin, attention: Attention, ctx) -> torch.Tensor:
+    def forward(self, x, rotary: Rotary, attention: Attention, ctx) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -96,7 +132,7 @@ class SelfAttention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, k)
         out = attention(q, k, v, self.layer_idx, ctx)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -108,7 +144,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            return self.down_proj(_fused_ops().silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -120,9 +159,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, cos, sin, attention: Attention, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary: Rotary, attention: Attention, ctx):
+        """(previous layer's MLP output, residual stream before it) -> the same pair for this layer; the first
+        layer gets (embeddings, None). Adding x to the residual happens inside the next norm."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rotary, attention, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -153,10 +199,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """Packed tokens (T,) at their positions (T,) -> final hidden states (T, hidden), normed."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        rotary = Rotary.build(self.inv_freq, positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, self.attention, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rotary, self.attention, ctx)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states (N, hidden) -> float32 logits (N, vocab); the caller picks the rows it samples from."""
@@ -249,6 +296,14 @@ def dense_causal_attention(q, k, v, layer_idx: int, ctx: DenseCausalAttention) -
             o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
         out[start:end] = o_s.squeeze(0).transpose(0, 1)
     return out
+
+
+@functools.cache
+def _fused_ops():
+    """ioattn.ops.fused, imported on first use: it loads Triton, which CPU-only installs may lack."""
+    from ioattn.ops import fused
+
+    return fused
 
 
 @functools.cache
