@@ -255,8 +255,12 @@ class LLMEngine:
         touched = self._sample([c.seq for c in plan.chunks if c.samples], logits)
         for seq in plan.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
-        return [self._output(self.requests.pop(rid) if self.requests[rid].finished else self.requests[rid])
-                for rid in touched]
+        outputs = []
+        for request, finished in touched:
+            if finished:
+                del self.requests[request.request_id]
+            outputs.append(self._output(request, finished))
+        return outputs
 
     def _fail_stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled although requests remain: beam searches whose beams cannot all be resident
@@ -267,7 +271,7 @@ class LLMEngine:
         outputs = []
         for request in stalled:
             self.abort_request(request.request_id)
-            output = self._output(request)
+            output = self._output(request, finished=True)
             output.finished, output.error = True, (
                 f"beam search with beam_width {request.params.beam_width} does not fit the KV pool "
                 f"({self.kv.num_blocks} blocks of {self.config.block_size}): raise num_blocks or lower beam_width"
@@ -275,8 +279,9 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[str]:
-        """Sample every row, fork prompts with n > 1, apply stop rules; the request ids touched, in order."""
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Request, bool]]:
+        """Sample every row, fork prompts with n > 1, apply stop rules; the requests touched, in order, each with
+        whether it has finished."""
         rows, row_seqs = [], []
         touched = {}
         for row, seq in enumerate(seqs):
@@ -284,12 +289,17 @@ class LLMEngine:
             if request.beam is not None:
                 request.pending_logits[seq.seq_id] = logits[row]
                 continue
+            if request.forked:
+                rows.append(row)
+                row_seqs.append((request, seq, seq.index))
+                continue
             # An unforked prompt samples its n first tokens from one row; sample i uses generator i.
-            indices = range(request.params.n) if not request.forked else [seq.index]
-            rows.extend(row for _ in indices)
-            row_seqs.extend((request, seq, index) for index in indices)
+            rows.extend(row for _ in range(request.params.n))
+            row_seqs.extend((request, seq, index) for index in range(request.params.n))
         if rows:
-            self._sample_rows(logits[torch.tensor(rows, device=logits.device)], row_seqs, touched)
+            if rows != list(range(logits.shape[0])):
+                logits = logits[torch.tensor(rows, device=logits.device)]
+            self._sample_rows(logits, row_seqs, touched)
         # A beam search steps once all its beams have logits and are resident (a preempted beam may lag behind).
         for request in self.requests.values():
             if request.pending_logits and all(
@@ -299,12 +309,15 @@ class LLMEngine:
                 self._beam_step(request)
                 touched[request.request_id] = request
         now = time.monotonic()
+        states = []
         for request in touched.values():
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = now
-        return list(touched)
+            states.append((request, finished))
+        return states
 
     def _sample_rows(self, logits: torch.Tensor, row_seqs: list[tuple[Request, Sequence, int]], touched: dict) -> None:
         params = [request.params for request, _, _ in row_seqs]
@@ -313,11 +326,7 @@ class LLMEngine:
         # Only penalties and min_tokens read the token history; slicing it for every row would cost O(length).
         if any(p.penalized or p.min_tokens for p in params):
             history = [(seq.prompt_token_ids, seq.output_token_ids) for _, seq, _ in row_seqs]
-        out = self.sampler.sample(logits, params, generators, history)
-        token_ids = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        top_ids = out.top_token_ids.tolist() if out.top_token_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        token_ids, logprobs, top_ids, top_lps = self.sampler.sample(logits, params, generators, history).tolist()
         # Fork before any token lands: a sample that stops at once must not free blocks its siblings still need.
         for request, seq, index in row_seqs:
             if index > 0 and len(request.seqs) == index:
@@ -372,7 +381,7 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = reason, checker.stop_reason
             self.scheduler.finish(seq)
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
         if request.beam is not None:
             return self._beam_output(request)
         completions = []
@@ -381,14 +390,15 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.index,
                 text=checker.text if seq.is_finished else checker.stable_text,
-                token_ids=list(seq.output_token_ids),
+                # The checker holds exactly the sequence's outputs: copying them skips the prompt.
+                token_ids=checker.output_token_ids[:],
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
             ))
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
-                             request.finished, request.metrics)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
+                             request.metrics)
 
     def _beam_output(self, request: Request) -> RequestOutput:
         """Finished: the n best beams, score = sum of logprobs / length ** length_penalty. Running: the beams
@@ -405,8 +415,8 @@ class LLMEngine:
             )
             for i, beam in enumerate(beams)
         ]
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_token_ids), completions,
-                             search.done, request.metrics)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, search.done,
+                             request.metrics)
 
     # -- streaming ---------------------------------------------------------------------------------------
 

@@ -13,12 +13,16 @@ writes each layer's new K/V into its cache slots and attends over the sequence's
 
 Copy-on-write and swap plans run before the forward pass, swap-outs first (a block a swap-out empties may be
 refilled by a swap-in of the same step).
+
+The step's inputs are written into persistent host buffers (`HostStaging`, pinned on CUDA) and copied to the
+device asynchronously: building a step costs the host no allocation and never waits for the GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +40,59 @@ def _cdiv(a: int, b: int) -> int:
 def _copy_block_rows(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
     """dst[d] <- src[s] for each [s, d] row; the torch path's copies (it must not import Triton)."""
     dst.index_copy_(0, mapping[:, 1], src.index_select(0, mapping[:, 0]))
+
+
+class HostStaging:
+    """Host buffers a step's inputs are written into (through numpy views) and copied to the device from.
+
+    Each buffer is allocated once per name and regrown only when a batch outgrows it; on CUDA it is pinned, so
+    its copy is asynchronous. That makes reuse a race: a step must not overwrite a buffer whose copy of the
+    previous step has not run yet. `reuse()` waits on the event recorded after the last step's copies
+    (`copies_issued()`); in the engine it has always completed, because reading a step's sampled tokens waits
+    for the whole step, but the runner does not rely on its caller for that.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pin = device.type == "cuda"
+        self._host: dict[str, torch.Tensor] = {}
+        self._copied = torch.cuda.Event() if self.pin else None
+        self._pending = False
+
+    def reuse(self) -> None:
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
+    def copies_issued(self) -> None:
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
+            self._pending = True
+
+    def host(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first `numel` entries of buffer `name` (1-D); their content is whatever was written last."""
+        buffer = self._host.get(name)
+        if buffer is None or buffer.numel() < numel:
+            # A regrown buffer drops the old one; the caching host allocator keeps pinned memory that an
+            # in-flight copy still reads until that copy has run.
+            size = numel if buffer is None else max(numel, 2 * buffer.numel())
+            buffer = torch.zeros(size, dtype=dtype, pin_memory=self.pin)
+            self._host[name] = buffer
+        return buffer[:numel]
+
+    def array(self, name: str, numel: int, dtype: torch.dtype) -> np.ndarray:
+        return self.host(name, numel, dtype).numpy()
+
+    def upload(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device copy of the first `numel` entries of buffer `name` (the same memory on a CPU device)."""
+        return self.host(name, numel, dtype).to(self.device, non_blocking=True)
+
+
+def _fill_tables(tables: np.ndarray, entries: list[BatchEntry]) -> None:
+    """Row i <- entry i's block table. Columns past a row's table keep stale ids: the kernels read table entries
+    only for positions below the row's seq_len, so no padding needs writing."""
+    for row, e in enumerate(entries):
+        tables[row, : len(e.block_table)] = e.block_table
 
 
 @dataclass
@@ -105,6 +162,7 @@ class ModelRunner:
         self.cpu_k_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.k_caches]
         self.cpu_v_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.v_caches]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._staging = HostStaging(self.device)
         self._workspace = None
         if self.use_triton:
             from ioattn.ops.paged import paged_workspace
@@ -157,43 +215,57 @@ class ModelRunner:
         """Run one packed batch; float32 logits (number of sampling entries, vocab), in entry order."""
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        input_ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.int64)
-        positions = torch.tensor([p for e in entries for p in range(e.start, e.seq_len)], dtype=torch.int64)
         # Set per call, not once: engines sharing one loaded model must each attend over their own cache.
         self.model.attention = self._attention
         decode = all(len(e.token_ids) == 1 for e in entries)
         graph_size = next((s for s in self.graphs if s >= len(entries)), None) if decode else None
+        self._staging.reuse()
         if graph_size is not None:
-            hidden = self._replay(graph_size, entries, input_ids, positions)
+            hidden = self._replay(graph_size, entries)
         else:
-            ctx = self._context(entries, decode)
-            hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)
-        last_rows, row = [], 0
-        for e in entries:
-            row += len(e.token_ids)
-            if e.sample:
-                last_rows.append(row - 1)
-        rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+            hidden = self._eager(entries, decode)
+        if decode and all(e.sample for e in entries):
+            self._staging.copies_issued()
+            return self.model.compute_logits(hidden)
+        last_rows = np.cumsum([len(e.token_ids) for e in entries])[[e.sample for e in entries]] - 1
+        self._staging.array("sample_rows", len(last_rows), torch.int64)[:] = last_rows
+        rows = self._staging.upload("sample_rows", len(last_rows), torch.int64)
+        self._staging.copies_issued()
         return self.model.compute_logits(hidden.index_select(0, rows))
 
+    def _eager(self, entries: list[BatchEntry], decode: bool) -> torch.Tensor:
+        staging = self._staging
+        num_tokens = sum(len(e.token_ids) for e in entries)
+        staging.array("input_ids", num_tokens, torch.int64)[:] = [t for e in entries for t in e.token_ids]
+        staging.array("positions", num_tokens, torch.int64)[:] = [
+            p for e in entries for p in range(e.start, e.seq_len)]
+        ctx = self._context(entries, decode)
+        input_ids = staging.upload("input_ids", num_tokens, torch.int64)
+        positions = staging.upload("positions", num_tokens, torch.int64)
+        return self.model(input_ids, positions, ctx)
+
     def _context(self, entries: list[BatchEntry], decode: bool) -> PagedContext:
+        staging, batch = self._staging, len(entries)
         width = max(len(e.block_table) for e in entries)
-        tables = [e.block_table + [0] * (width - len(e.block_table)) for e in entries]
+        # A table exactly as wide as the longest one: the kernels size their key splits from its width.
+        _fill_tables(staging.array("block_table", batch * width, torch.int32).reshape(batch, width), entries)
+        staging.array("seq_lens", batch, torch.int32)[:] = [e.seq_len for e in entries]
         q_lens = [len(e.token_ids) for e in entries]
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
-        to = dict(device=self.device)
+        cu = np.cumsum([0, *q_lens])
+        staging.array("slot_mapping", int(cu[-1]), torch.int64)[:] = [s for e in entries for s in e.slot_mapping]
+        if not decode:
+            staging.array("cu_seqlens_q", batch + 1, torch.int32)[:] = cu
         ctx = PagedContext(
-            slot_mapping=torch.tensor([s for e in entries for s in e.slot_mapping], dtype=torch.int64, **to),
-            block_table=torch.tensor(tables, dtype=torch.int32, **to),
-            seq_lens=torch.tensor([e.seq_len for e in entries], dtype=torch.int32, **to),
-            cu_seqlens_q=None if decode else torch.tensor(cu, dtype=torch.int32, **to),
+            slot_mapping=staging.upload("slot_mapping", int(cu[-1]), torch.int64),
+            block_table=staging.upload("block_table", batch * width, torch.int32).view(batch, width),
+            seq_lens=staging.upload("seq_lens", batch, torch.int32),
+            cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", batch + 1, torch.int32),
             max_seqlen_q=max(q_lens),
             window_sizes=self.window_sizes,
             # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
             workspace=self._workspace if decode else None,
         )
+        cu = cu.tolist()
         if not self.use_triton:
             bs = self.block_size
             for e, start, end in zip(entries, cu[:-1], cu[1:]):
@@ -269,21 +341,26 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
 
-    def _replay(self, size: int, entries: list[BatchEntry], input_ids, positions) -> torch.Tensor:
-        n = len(entries)
-        width = max(len(e.block_table) for e in entries)
-        tables = torch.zeros(size, self.max_blocks_per_seq, dtype=torch.int32)
-        tables[:n, :width] = torch.tensor([e.block_table + [0] * (width - len(e.block_table)) for e in entries],
-                                          dtype=torch.int32)
-        slots = torch.full((size,), -1, dtype=torch.int64)
-        slots[:n] = torch.tensor([e.slot_mapping[0] for e in entries], dtype=torch.int64)
-        lens = torch.zeros(size, dtype=torch.int32)
-        lens[:n] = torch.tensor([e.seq_len for e in entries], dtype=torch.int32)
-        self._graph_ids[:n].copy_(input_ids, non_blocking=True)
-        self._graph_positions[:n].copy_(positions, non_blocking=True)
-        self._graph_slots[:size].copy_(slots, non_blocking=True)
-        self._graph_tables[:size].copy_(tables, non_blocking=True)
-        self._graph_lens[:size].copy_(lens, non_blocking=True)
+    def _replay(self, size: int, entries: list[BatchEntry]) -> torch.Tensor:
+        """Stage the decode rows into the graph's static inputs and replay the graph captured for `size` rows.
+        Padding rows n..size get slot -1 (nothing written) and seq_len 0 (nothing read: their stale table rows
+        and token ids are never used)."""
+        n, staging, max_blocks = len(entries), self._staging, self.max_blocks_per_seq
+        staging.array("graph_ids", n, torch.int64)[:] = [e.token_ids[0] for e in entries]
+        staging.array("graph_positions", n, torch.int64)[:] = [e.start for e in entries]
+        slots = staging.array("graph_slots", size, torch.int64)
+        slots[:n] = [e.slot_mapping[0] for e in entries]
+        slots[n:] = -1
+        lens = staging.array("graph_lens", size, torch.int32)
+        lens[:n] = [e.seq_len for e in entries]
+        lens[n:] = 0
+        _fill_tables(staging.array("graph_tables", n * max_blocks, torch.int32).reshape(n, max_blocks), entries)
+        self._graph_ids[:n].copy_(staging.host("graph_ids", n, torch.int64), non_blocking=True)
+        self._graph_positions[:n].copy_(staging.host("graph_positions", n, torch.int64), non_blocking=True)
+        self._graph_slots[:size].copy_(staging.host("graph_slots", size, torch.int64), non_blocking=True)
+        self._graph_lens[:size].copy_(staging.host("graph_lens", size, torch.int32), non_blocking=True)
+        self._graph_tables[:n].copy_(staging.host("graph_tables", n * max_blocks, torch.int32).view(n, max_blocks),
+                                     non_blocking=True)
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:n]

@@ -150,6 +150,20 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # (S, K) int64, most likely first; None when no row asked
     top_logprobs: torch.Tensor | None  # (S, K) float32
 
+    def tolist(self) -> tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None]:
+        """token_ids, logprobs, top_token_ids, top_logprobs as Python lists, in one device -> host transfer
+        (float64 holds every id below 2**53 and every float32 value exactly)."""
+        columns = [self.token_ids[:, None], self.logprobs[:, None]]
+        if self.top_token_ids is not None:
+            columns += [self.top_token_ids, self.top_logprobs]
+        rows = torch.cat([c.double() for c in columns], dim=1).tolist()
+        token_ids = [int(row[0]) for row in rows]
+        logprobs = [row[1] for row in rows]
+        if self.top_token_ids is None:
+            return token_ids, logprobs, None, None
+        k = self.top_token_ids.shape[1]
+        return token_ids, logprobs, [[int(t) for t in row[2 : 2 + k]] for row in rows], [row[2 + k :] for row in rows]
+
 
 class Sampler:
     """Batched next-token choice; see the module docstring for the order of the stages.
@@ -177,9 +191,13 @@ class Sampler:
         if len(params) != num_rows or len(generators) != num_rows or (history is not None and len(history) != num_rows):
             raise ValueError(f"params, generators and history need one entry per logits row ({num_rows})")
         raw = logits.float()
-        logits = raw.clone()
-        self._mask_early_stops(logits, params, history)
-        apply_penalties(logits, params, history)
+        # The raw logits stay untouched for the logprobs; only masks and penalties need a copy to edit.
+        if any(p.penalized or p.min_tokens for p in params):
+            logits = raw.clone()
+            self._mask_early_stops(logits, params, history)
+            apply_penalties(logits, params, history)
+        else:
+            logits = raw
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -296,7 +314,7 @@ class StopChecker:
 
     def __init__(self, params: _StopParams, tokenizer=None, prompt_token_ids: Sequence[int] = (),
                  eos_token_ids: Sequence[int] = (), max_model_len: int | None = None):
-        from ioattn.models.tokenizer import IncrementalDetokenizer
+        from ioattn.models.tokenizer import incremental_detokenizer
 
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer to detokenize the output")
@@ -307,7 +325,7 @@ class StopChecker:
             math.inf if params.max_tokens is None else params.max_tokens,
             math.inf if max_model_len is None else max_model_len - len(prompt_token_ids),
         )
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+        self.detokenizer = None if tokenizer is None else incremental_detokenizer(
             tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens)
         self.longest_stop = max(map(len, params.stop), default=0)
         self.output_token_ids: list[int] = []
@@ -348,8 +366,7 @@ class StopChecker:
         forked = copy.copy(self)
         forked.output_token_ids = list(self.output_token_ids)
         if self.detokenizer is not None:
-            forked.detokenizer = copy.copy(self.detokenizer)
-            forked.detokenizer.ids = list(self.detokenizer.ids)
+            forked.detokenizer = self.detokenizer.fork()
         return forked
 
     def _push(self, token_id: int) -> None:

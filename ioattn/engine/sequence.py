@@ -114,7 +114,7 @@ class CompletionOutput:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # the request's own list, shared by all its outputs: read it, do not mutate it
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

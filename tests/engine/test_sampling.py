@@ -208,6 +208,36 @@ def test_logprobs_are_the_raw_log_softmax():
     assert none_asked.top_logprobs is None and none_asked.logprobs.shape == (3,)
 
 
+def test_rows_without_edits_skip_the_copy_and_match_the_editing_path():
+    """A batch with no penalties or min_tokens samples from the logits as given (no clone, left unchanged);
+    its rows come out exactly as when another row's penalty sends the batch through the editing path."""
+    logits = torch.randn(5, 64) * 3
+    before = logits.clone()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=0.7, top_k=5, seed=1), SamplingParams(temperature=0),
+              SamplingParams(top_p=0.9, seed=2)]
+    plain = Sampler().sample(logits, params, [p.generator() for p in params])
+    assert torch.equal(logits, before)
+    edited = Sampler().sample(torch.cat([logits, logits[:1]]), [*params, SamplingParams(repetition_penalty=1.3)],
+                              [*(p.generator() for p in params), None], history=[([1], [2])] * 6)
+    assert torch.equal(plain.token_ids, edited.token_ids[:5]) and torch.equal(plain.logprobs, edited.logprobs[:5])
+    assert torch.equal(plain.top_token_ids, edited.top_token_ids[:5])
+    assert torch.equal(plain.top_logprobs, edited.top_logprobs[:5])
+
+
+@pytest.mark.parametrize("logprobs", [None, 4])
+def test_sampler_output_tolist_returns_every_value_exactly(logprobs):
+    logits = torch.randn(7, 300) * 5
+    out = Sampler().sample(logits, [SamplingParams(temperature=0, logprobs=logprobs)] * 7)
+    token_ids, sampled, top_ids, top_lps = out.tolist()
+    assert token_ids == out.token_ids.tolist() and all(type(t) is int for t in token_ids)
+    assert sampled == out.logprobs.tolist()
+    if logprobs is None:
+        assert top_ids is None and top_lps is None
+    else:
+        assert top_ids == out.top_token_ids.tolist() and top_lps == out.top_logprobs.tolist()
+
+
 def test_low_precision_logits_and_bad_shapes():
     logits = torch.randn(2, 40, dtype=torch.float16)
     out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2)
