@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ioattn.intmath import cdiv
 from ioattn.distributed.layers import RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits
 from ioattn.models.config import ModelConfig, eos_token_ids
 from ioattn.models.llama import LlamaForCausalLM
@@ -29,9 +30,6 @@ from ioattn.models.loader import LoadedModel, checkpoint_files, load_generation_
 from ioattn.models.presets import PRESETS, load_preset
 from ioattn.models.tokenizer import HFTokenizer
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class ShardPlan:
 
     @property
     def vocab_rows(self) -> int:
-        return _cdiv(self.config.vocab_size, self.world_size)
+        return cdiv(self.config.vocab_size, self.world_size)
 
     @property
     def vocab_start(self) -> int:

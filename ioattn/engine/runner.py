@@ -26,15 +26,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ioattn.intmath import cdiv
 from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM, dense_causal_attention
 
 # Decode batch sizes captured as CUDA graphs (up to max_num_seqs): small ones exactly, then multiples of 8.
 GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 513, 8))
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _copy_block_rows(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
@@ -149,7 +147,7 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.use_triton = attention_backend == "triton" or (attention_backend == "auto" and self.device.type == "cuda")
         self.block_size = block_size
-        self.max_blocks_per_seq = _cdiv(max_model_len, block_size)
+        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
         self.window_sizes = tuple(self.config.window_size(i) for i in range(self.config.num_layers))
         shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
@@ -399,7 +397,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(device)
         usable = int(total * gpu_memory_utilization) - (total - free) - peak_activation
         num_blocks = usable // ModelRunner.block_bytes(model.config, block_size, model.model.embed_tokens.weight.dtype)
-        if num_blocks < _cdiv(max_model_len, block_size):
+        if num_blocks < cdiv(max_model_len, block_size):
             raise ValueError(
                 f"gpu_memory_utilization {gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV blocks, "
                 f"fewer than one max_model_len ({max_model_len}) sequence needs; raise it, or lower "

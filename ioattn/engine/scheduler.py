@@ -26,15 +26,12 @@ import bisect
 from dataclasses import dataclass, field
 
 from ioattn.engine.sequence import Sequence, SequenceStatus
+from ioattn.intmath import cdiv
 from ioattn.kv import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
 POLICIES = ("fcfs", "priority")
 MODES = ("continuous", "static")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -257,7 +254,7 @@ class Scheduler:
                 break
             if not self.config.enable_chunked_prefill and seq.num_tokens > budget:
                 break
-            reservation = seq.width * _cdiv(self.config.max_model_len, self.kv.block_size)
+            reservation = seq.width * cdiv(self.config.max_model_len, self.kv.block_size)
             if static and self._reserved_blocks + reservation > self.kv.num_blocks - self.kv.watermark_blocks:
                 break
             cached = self.kv.allocate(seq.seq_id, seq.token_ids, is_resume=seq.num_preemptions > 0)

@@ -57,14 +57,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
+from ioattn.intmath import cdiv
 from ioattn.kv.block_pool import EVICTED, BlockPool
 from ioattn.kv.invariants import check
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key, check_extra_key
 from ioattn.kv.stats import KVStats, collect
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(eq=False)
@@ -170,7 +168,7 @@ class KVCacheManager:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("token_ids must hold at least one token")
-        needed = _cdiv(len(tokens), self.block_size)
+        needed = cdiv(len(tokens), self.block_size)
         if needed > self.num_blocks - self.watermark_blocks:
             raise ValueError(
                 f"token_ids: {len(tokens)} tokens need {needed} blocks, more than the "
@@ -202,7 +200,7 @@ class KVCacheManager:
         new_tokens = list(token_ids)
         bs = self.block_size
         old_len = seq.num_tokens
-        fresh = _cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
+        fresh = cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
         last = seq.blocks[-1]
         copy_on_write = old_len % bs != 0 and bool(new_tokens) and self.gpu.ref_count[last] > 1
         if fresh + copy_on_write > self.gpu.num_available:
@@ -321,7 +319,7 @@ class KVCacheManager:
         _check_count("sink_tokens", sink_tokens, 0)
         _check_count("window_tokens", window_tokens, 1)
         bs = self.block_size
-        first = _cdiv(sink_tokens, bs)
+        first = cdiv(sink_tokens, bs)
         end = (seq.num_tokens - window_tokens) // bs
         freed = []
         for i in range(end - 1, first - 1, -1):
@@ -407,7 +405,7 @@ class KVCacheManager:
             )
         bs = self.block_size
         slots = []
-        for i in range(start // bs, _cdiv(end, bs)):
+        for i in range(start // bs, cdiv(end, bs)):
             block = seq.blocks[i]
             if block == EVICTED:
                 raise ValueError(f"positions [{i * bs}, {(i + 1) * bs}) of seq_id {seq_id!r} were evicted")

@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normed x; given `residual`, (normed (x + residual), x + residual): the sum is the new residual stream
         (on CUDA written into `residual` in place)."""
-        if x.is_cuda:
+        if _fused(x):
             return _fused_ops().rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._normed(x)
@@ -99,7 +99,7 @@ class Rotary:
 
     @classmethod
     def build(cls, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
-        if positions.is_cuda:
+        if _fused(positions):
             return cls(positions, inv_freq)
         return cls(positions, inv_freq, *rotary_cos_sin(inv_freq, positions, dtype))
 
@@ -145,7 +145,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
+        if _fused(gate_up):
             return self.down_proj(_fused_ops().silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -296,6 +296,12 @@ def dense_causal_attention(q, k, v, layer_idx: int, ctx: DenseCausalAttention) -
             o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
         out[start:end] = o_s.squeeze(0).transpose(0, 1)
     return out
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Whether the fused CUDA kernels run: they are inference-only (no autograd, the residual is updated in
+    place), so with gradients enabled the torch ops run instead and backpropagate correctly."""
+    return t.is_cuda and not torch.is_grad_enabled()
 
 
 @functools.cache

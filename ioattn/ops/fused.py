@@ -15,6 +15,7 @@ import torch
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
 from ioattn.kernels import interpreted
 from ioattn.kernels.fused_ops import rms_norm_kernel, rotary_embedding_kernel, silu_and_mul_kernel
+from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops.checks import SUPPORTED_DTYPES
 
 # RMSNorm rows up to this many elements stay in registers (one read of x and residual); longer rows loop over
@@ -42,15 +43,6 @@ def _check_like(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) ->
     _require(t.dtype == ref.dtype, lambda: f"{name} dtype ({t.dtype}) must equal {ref_name} dtype ({ref.dtype})")
     _require(t.device == ref.device, lambda: f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
-
-# Plain-Python cdiv / next power of two: triton's are jit-wrapped functions that cost ~10 us per call, and
-# these ops run a few times per layer per step.
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def _row_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -87,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.numel() == 0:
         return out if residual is None else (out, residual)
     residual_or_x = x if residual is None else residual  # x: a placeholder, never read without HAS_RESIDUAL
-    block = min(_next_power_of_2(hidden), MAX_ROW_BLOCK)
+    block = min(next_power_of_2(hidden), MAX_ROW_BLOCK)
     rms_norm_kernel[(x.shape[0], x.shape[1] if x.dim() == 3 else 1)](
         x, residual_or_x, weight, out, *_row_strides(x), *_row_strides(residual_or_x), *_row_strides(out), hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_BLOCK=hidden <= block, LIBDEVICE=_LIBDEVICE,
@@ -122,10 +114,10 @@ def rotary_embedding_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if tokens == 0:
         return
     num_kv_heads = k.shape[1]
-    block_heads = min(ROTARY_HEADS_PER_PROGRAM, _next_power_of_2(max(num_q_heads, num_kv_heads)))
-    q_blocks = _cdiv(num_q_heads, block_heads)
-    grid = (tokens, q_blocks + _cdiv(num_kv_heads, block_heads))
-    block_half = _next_power_of_2(half)
+    block_heads = min(ROTARY_HEADS_PER_PROGRAM, next_power_of_2(max(num_q_heads, num_kv_heads)))
+    q_blocks = cdiv(num_q_heads, block_heads)
+    grid = (tokens, q_blocks + cdiv(num_kv_heads, block_heads))
+    block_half = next_power_of_2(half)
     rotary_embedding_kernel[grid](
         q, k, positions, inv_freq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
@@ -144,8 +136,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
-    block = min(SILU_BLOCK, _next_power_of_2(inter))
-    silu_and_mul_kernel[(tokens, _cdiv(inter, block))](
+    block = min(SILU_BLOCK, next_power_of_2(inter))
+    silu_and_mul_kernel[(tokens, cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter,
         BLOCK=block, LIBDEVICE=_LIBDEVICE, **_launch_options(4),
     )

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
-import triton
 from ioattn.kernels.cache_ops import reshape_and_cache_kernel
 from ioattn.kernels.combine import combine_splits_kernel, merge_states_kernel
 from ioattn.kernels.paged_attention import paged_attention_kernel
+from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops.checks import (
     SUPPORTED_DTYPES, check_cu_seqlens, check_head_dim, check_heads, check_max_seqlen, normalized_window,
     softmax_scale_or_default,
@@ -92,7 +92,7 @@ def choose_num_splits(programs: int, max_context: int, sm_count: int) -> int:
     """The num_splits=0 heuristic (see the constants above)."""
     if programs >= sm_count:
         return 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    wanted = cdiv(PROGRAMS_PER_SM * sm_count, programs)
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
@@ -153,11 +153,11 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
     head_dim, group = q.shape[-1], q.shape[-2] // k_cache.shape[2]
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype)
     if decode:
-        rows, tokens = max(16, triton.next_power_of_2(group)), 1
+        rows, tokens = max(16, next_power_of_2(group)), 1
     else:
-        rows = max(config.block_m, triton.next_power_of_2(group))
+        rows = max(config.block_m, next_power_of_2(group))
         tokens = rows // group
-    q_tiles = 1 if decode else max(1, triton.cdiv(max_seqlen_q, tokens))
+    q_tiles = 1 if decode else max(1, cdiv(max_seqlen_q, tokens))
     if num_splits == 0:
         programs = block_table.shape[0] * k_cache.shape[2] * q_tiles
         max_context = block_table.shape[1] * k_cache.shape[1]
@@ -274,7 +274,7 @@ def paged_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), left, right, sink_tokens, splits, plan.q_tiles_per_seq,
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
         DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -285,7 +285,7 @@ def paged_attention(
             part_out.stride(0), part_out.stride(1), part_out.stride(2),
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
         )
     if not return_lse:
         return out
@@ -317,7 +317,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
         o_a, lse_a, o_b, lse_b, out, lse,
         o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1), out.stride(0), out.stride(1),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
     )
     return out, lse
 
@@ -345,12 +345,12 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
-    block_h = min(triton.next_power_of_2(kv_heads), 16)
-    reshape_and_cache_kernel[(tokens, triton.cdiv(kv_heads, block_h))](
+    block_h = min(next_power_of_2(kv_heads), 16)
+    reshape_and_cache_kernel[(tokens, cdiv(kv_heads, block_h))](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+        kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=next_power_of_2(head_dim), PAGE=k_cache.shape[1],
     )
 
 
