@@ -73,14 +73,13 @@ def rms_norm_kernel(
     X, Residual, Weight, Out,
     stride_xt, stride_xn, stride_rt, stride_rn, stride_ot, stride_on,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Grid (tokens, rows per token): normalise one row of `hidden` elements.
+    """Grid (tokens, rows per token): normalise one row of `hidden` <= BLOCK elements, held in registers.
 
     With HAS_RESIDUAL the row is x + residual, and that sum is written back into Residual (the next layer's
-    residual stream). ONE_BLOCK: the row fits in BLOCK and stays in registers between the sum of squares and
-    the scaling; otherwise both passes loop over BLOCK-wide slices and the second recomputes x + residual
-    (re-reading x and residual rather than the stored sum avoids a read-after-write across threads).
+    residual stream). x and residual are read once; the whole row stays in registers between the sum of squares
+    and the scaling.
     """
     token = tl.program_id(0).to(tl.int64)
     row = tl.program_id(1).to(tl.int64)
@@ -88,22 +87,10 @@ def rms_norm_kernel(
     R_row = Residual + token * stride_rt + row * stride_rn
     O_row = Out + token * stride_ot + row * stride_on
     cols = tl.arange(0, BLOCK)
-    if ONE_BLOCK:
-        mask = cols < hidden
-        h = _input_row(X_row, R_row, cols, mask, HAS_RESIDUAL)
-        rstd = _rsqrt(tl.sum(h * h, axis=0) / hidden + eps, LIBDEVICE)
-        _store_normed(h, rstd, Weight, O_row, R_row, cols, mask, HAS_RESIDUAL)
-    else:
-        squares = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, hidden, BLOCK):
-            mask = start + cols < hidden
-            h = _input_row(X_row, R_row, start + cols, mask, HAS_RESIDUAL)
-            squares += h * h
-        rstd = _rsqrt(tl.sum(squares, axis=0) / hidden + eps, LIBDEVICE)
-        for start in range(0, hidden, BLOCK):
-            mask = start + cols < hidden
-            h = _input_row(X_row, R_row, start + cols, mask, HAS_RESIDUAL)
-            _store_normed(h, rstd, Weight, O_row, R_row, start + cols, mask, HAS_RESIDUAL)
+    mask = cols < hidden
+    h = _input_row(X_row, R_row, cols, mask, HAS_RESIDUAL)
+    rstd = _rsqrt(tl.sum(h * h, axis=0) / hidden + eps, LIBDEVICE)
+    _store_normed(h, rstd, Weight, O_row, R_row, cols, mask, HAS_RESIDUAL)
 
 
 @triton.jit

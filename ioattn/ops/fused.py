@@ -18,9 +18,10 @@ from ioattn.kernels.fused_ops import rms_norm_kernel, rotary_embedding_kernel, s
 from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops.checks import SUPPORTED_DTYPES
 
-# RMSNorm rows up to this many elements stay in registers (one read of x and residual); longer rows loop over
-# slices of this width and read them twice.
-MAX_ROW_BLOCK = 4096
+# RMSNorm keeps a whole row in registers (x and residual are read once). Every Llama-family hidden size fits
+# (405B: 16384). A two-pass variant for wider rows gave rows off by 2 ulp on the H200 now and then when it also
+# added the residual, so wider rows are refused rather than served by an unverified path.
+MAX_HIDDEN = 16384
 SILU_BLOCK = 1024
 ROTARY_HEADS_PER_PROGRAM = 8
 
@@ -65,6 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _check_activation("x", x)
     _require(x.dim() in (2, 3), lambda: f"x must be (T, H) or (T, N, H), got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
+    _require(hidden <= MAX_HIDDEN, lambda: f"x rows of {hidden} elements are wider than rms_norm supports ({MAX_HIDDEN})")
     _require(isinstance(weight, torch.Tensor) and weight.shape == (hidden,) and weight.stride(0) == 1,
              lambda: f"weight must be a contiguous ({hidden},) tensor, got {getattr(weight, 'shape', weight)}")
     _check_like("weight", weight, "x", x)
@@ -79,10 +81,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.numel() == 0:
         return out if residual is None else (out, residual)
     residual_or_x = x if residual is None else residual  # x: a placeholder, never read without HAS_RESIDUAL
-    block = min(next_power_of_2(hidden), MAX_ROW_BLOCK)
+    block = next_power_of_2(hidden)
     rms_norm_kernel[(x.shape[0], x.shape[1] if x.dim() == 3 else 1)](
         x, residual_or_x, weight, out, *_row_strides(x), *_row_strides(residual_or_x), *_row_strides(out), hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_BLOCK=hidden <= block, LIBDEVICE=_LIBDEVICE,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, LIBDEVICE=_LIBDEVICE,
         **_launch_options(max(1, min(8, block // 512))),
     )
     return out if residual is None else (out, residual)

@@ -131,6 +131,8 @@ def test_bad_arguments():
         rms_norm(torch.randn(8, 2).t(), weight, EPS)
     with pytest.raises(ValueError, match="weight must be a contiguous"):
         rms_norm(x, torch.ones(9), EPS)
+    with pytest.raises(ValueError, match="wider than rms_norm supports"):
+        rms_norm(torch.randn(1, 16385), torch.ones(16385), EPS)
     with pytest.raises(ValueError, match="weight dtype"):
         rms_norm(x, weight.half(), EPS)
     with pytest.raises(ValueError, match="weight is on meta"):
