@@ -34,7 +34,6 @@ GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 513, 8))
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
-
 def _copy_block_rows(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
     """dst[d] <- src[s] for each [s, d] row; the torch path's copies (it must not import Triton)."""
     dst.index_copy_(0, mapping[:, 1], src.index_select(0, mapping[:, 0]))
