@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 
 
@@ -61,6 +62,11 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(args)
+    # Everything allocated so far (torch, the model, the tokenizer: ~300k tracked objects) lives as long as the
+    # server; frozen, it leaves the cyclic GC's full collections, which otherwise stall a step for ~150 ms now and
+    # then (0.3 ms once frozen, measured with the engine's host path at 256 sequences).
+    gc.collect()
+    gc.freeze()
     # One worker: the engine lives in this process. A long keep-alive spares load generators reconnects.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                 backlog=4096)
