@@ -203,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rotary, self.attention, ctx)
+        if residual is None:  # a model with no layers: nothing was added to the residual stream
+            return self.model.norm(x)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
