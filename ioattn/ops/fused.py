@@ -19,8 +19,8 @@ from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops.checks import SUPPORTED_DTYPES
 
 # RMSNorm keeps a whole row in registers (x and residual are read once). Every Llama-family hidden size fits
-# (405B: 16384). A two-pass variant for wider rows gave rows off by 2 ulp on the H200 now and then when it also
-# added the residual, so wider rows are refused rather than served by an unverified path.
+# (405B: 16384); wider rows are refused rather than served by a second, multi-pass code path that would need
+# validating on its own.
 MAX_HIDDEN = 16384
 SILU_BLOCK = 1024
 ROTARY_HEADS_PER_PROGRAM = 8

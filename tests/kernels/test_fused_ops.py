@@ -2,9 +2,13 @@
 
 References run that torch code on the CPU (on CUDA it would take the fused path itself), except the bf16 RoPE and
 SiLU GPU tests, which run the plain torch functions on CUDA. fp32 must agree to rounding noise; fp16/bf16 results
-may differ by one unit in the last place in rare elements (the sum of squares is reduced in another order, and the
-CPU's exp/cos differ from CUDA's libdevice in the last bit), never by more.
+may differ by one unit in the last place in rare elements (the CPU's exp/cos differ from CUDA's libdevice in the
+last bit), never by more. RMSNorm is the exception: its sum of squares is reduced in another order, so the
+normalised value y may round one ulp apart, and the output w * y (rounded again) then lands up to two ulps apart
+(in ~3% of calls at H = 4100 on the CPU; on the H200 in some rows of 64-token bf16 calls at H >= 5120).
 """
+
+NORM_MAX_ULP = 2
 
 import copy
 
@@ -28,7 +32,7 @@ def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp_fraction: float = 0.01) -> None:
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp_fraction: float = 0.01, max_ulp: int = 1) -> None:
     out = out.cpu()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if ref.numel() == 0:
@@ -38,7 +42,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp_fraction: float
         assert ((out - ref).abs().max() / scale).item() < 1e-6
         return
     ulps = (_ordered_bits(out) - _ordered_bits(ref)).abs()
-    assert ulps.max().item() <= 1, f"{ulps.max().item()} ulp apart"
+    assert ulps.max().item() <= max_ulp, f"{ulps.max().item()} ulp apart"
     assert (ulps > 0).float().mean().item() <= max_ulp_fraction
 
 
@@ -61,12 +65,12 @@ def test_rms_norm_with_and_without_residual(device, dtype, hidden, tokens):
     residual = torch.randn(tokens, hidden, dtype=dtype, device=device)
     weight = (1 + 0.5 * torch.randn(hidden)).to(dtype).to(device)
     ref, _ = torch_norm(x, weight)
-    assert_matches(rms_norm(x, weight, EPS), ref)
+    assert_matches(rms_norm(x, weight, EPS), ref, max_ulp=NORM_MAX_ULP)
     ref, ref_sum = torch_norm(x, weight, residual)
     out, new_residual = rms_norm(x, weight, EPS, residual)
     assert new_residual is residual
     assert torch.equal(new_residual.cpu(), ref_sum)  # the add is exact in the dtype's rounding
-    assert_matches(out, ref)
+    assert_matches(out, ref, max_ulp=NORM_MAX_ULP)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -76,7 +80,7 @@ def test_rms_norm_per_head_on_a_strided_view(device, dtype):
     q = qkv[:, 1:5]
     weight = torch.randn(32).to(dtype).to(device)
     ref, _ = torch_norm(q, weight)
-    assert_matches(rms_norm(q, weight, EPS), ref)
+    assert_matches(rms_norm(q, weight, EPS), ref, max_ulp=NORM_MAX_ULP)
 
 
 def test_no_tokens(device):
@@ -167,7 +171,7 @@ def test_bf16_rms_norm_on_gpu(hidden, tokens=64):
     ref, ref_sum = torch_norm(x, weight, residual)
     out, new_residual = rms_norm(x, weight, EPS, residual)
     assert torch.equal(new_residual.cpu(), ref_sum)
-    assert_matches(out, ref)
+    assert_matches(out, ref, max_ulp=NORM_MAX_ULP)
 
 
 @pytest.mark.gpu
