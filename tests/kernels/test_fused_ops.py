@@ -1,14 +1,12 @@
 """Fused RMSNorm (+ residual), RoPE and SiLU-and-mul against the torch code of ioattn.models.llama.
 
 References run that torch code on the CPU (on CUDA it would take the fused path itself), except the bf16 RoPE and
-SiLU GPU tests, which run the plain torch functions on CUDA. fp32 must agree to rounding noise; fp16/bf16 results
-may differ by one unit in the last place in rare elements (the CPU's exp/cos differ from CUDA's libdevice in the
-last bit), never by more. RMSNorm is the exception: its sum of squares is reduced in another order, so the
-normalised value y may round one ulp apart, and the output w * y (rounded again) then lands up to two ulps apart
-(in ~3% of calls at H = 4100 on the CPU; on the H200 in some rows of 64-token bf16 calls at H >= 5120).
+SiLU GPU tests, which run the plain torch functions on CUDA. fp32 must agree to rounding noise. fp16/bf16 results
+may differ in rare elements (at most 1%) by up to two units in the last place: an intermediate the kernel rounds
+(RMSNorm's y = x * rstd, whose sum of squares is reduced in another order; exp/cos from numpy in the interpreter
+against torch's own on the CPU, one bit apart) can land one ulp off, and the next rounded op (w * y, silu(g) * u)
+can widen that to two. Seen: ~3% of CPU runs of a 4100-wide RMSNorm, some rows of 64-token bf16 calls on the H200.
 """
-
-NORM_MAX_ULP = 2
 
 import copy
 
@@ -32,7 +30,7 @@ def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, -(bits & 0x7FFF), bits)
 
 
-def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp_fraction: float = 0.01, max_ulp: int = 1) -> None:
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp_fraction: float = 0.01, max_ulp: int = 2) -> None:
     out = out.cpu()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if ref.numel() == 0:
@@ -65,12 +63,12 @@ def test_rms_norm_with_and_without_residual(device, dtype, hidden, tokens):
     residual = torch.randn(tokens, hidden, dtype=dtype, device=device)
     weight = (1 + 0.5 * torch.randn(hidden)).to(dtype).to(device)
     ref, _ = torch_norm(x, weight)
-    assert_matches(rms_norm(x, weight, EPS), ref, max_ulp=NORM_MAX_ULP)
+    assert_matches(rms_norm(x, weight, EPS), ref)
     ref, ref_sum = torch_norm(x, weight, residual)
     out, new_residual = rms_norm(x, weight, EPS, residual)
     assert new_residual is residual
     assert torch.equal(new_residual.cpu(), ref_sum)  # the add is exact in the dtype's rounding
-    assert_matches(out, ref, max_ulp=NORM_MAX_ULP)
+    assert_matches(out, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -80,7 +78,7 @@ def test_rms_norm_per_head_on_a_strided_view(device, dtype):
     q = qkv[:, 1:5]
     weight = torch.randn(32).to(dtype).to(device)
     ref, _ = torch_norm(q, weight)
-    assert_matches(rms_norm(q, weight, EPS), ref, max_ulp=NORM_MAX_ULP)
+    assert_matches(rms_norm(q, weight, EPS), ref)
 
 
 def test_no_tokens(device):
@@ -171,7 +169,7 @@ def test_bf16_rms_norm_on_gpu(hidden, tokens=64):
     ref, ref_sum = torch_norm(x, weight, residual)
     out, new_residual = rms_norm(x, weight, EPS, residual)
     assert torch.equal(new_residual.cpu(), ref_sum)
-    assert_matches(out, ref, max_ulp=NORM_MAX_ULP)
+    assert_matches(out, ref)
 
 
 @pytest.mark.gpu
