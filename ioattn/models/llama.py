@@ -6,7 +6,8 @@ Attention is the one place that needs to know where sequences start and what the
 it over to a pluggable callable `attention(q, k, v, layer_idx, ctx)` with q (T, Hq, D), k/v (T, Hkv, D) after
 RoPE, and `ctx` an object the caller built for this batch (the engine passes its paged-KV context; tests and
 simple generation pass `DenseCausalAttention`). On CUDA the elementwise work runs as fused Triton kernels
-(`ioattn.ops.fused`, rounded exactly as the torch code here) and each residual add is folded into the norm that
+(`ioattn.ops.fused`, rounding where the torch code here rounds; RMSNorm's sum of squares is reduced in
+another order, so its outputs may differ in the last bits) and each residual add is folded into the norm that
 follows it, so every layer passes on (sublayer output, residual stream); elsewhere the plain torch code runs
 (the same operations, so its results are bit for bit unchanged). Parameter names are those of Hugging Face
 checkpoints, except that q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`,

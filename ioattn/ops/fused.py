@@ -1,9 +1,9 @@
 """Fused elementwise ops of the decoder: RMSNorm (with the residual add folded in), RoPE in place, SiLU-and-mul.
 
-Each returns what the unfused PyTorch code in `ioattn.models.llama` returns, rounded the same way (see
-`ioattn.kernels.fused_ops`). They run several times per layer per step, so the checks are cheap and build their
-messages only when they fail; nothing here synchronises with the device or allocates beyond the output, so
-all three are CUDA-graph safe.
+Each returns what the unfused PyTorch code in `ioattn.models.llama` returns, rounded at the same points (see
+`ioattn.kernels.fused_ops`; RMSNorm reduces its sum of squares in another order, so its last bits may differ).
+They run several times per layer per step, so the checks are cheap and build their messages only when they fail;
+nothing here synchronises with the device or allocates beyond the output, so all three are CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _check_activation("x", x)
     _require(x.dim() in (2, 3), lambda: f"x must be (T, H) or (T, N, H), got shape {tuple(x.shape)}")
     hidden = x.shape[-1]
-    _require(hidden <= MAX_HIDDEN, lambda: f"x rows of {hidden} elements are wider than rms_norm supports ({MAX_HIDDEN})")
+    _require(hidden <= MAX_HIDDEN,
+             lambda: f"x rows of {hidden} elements are wider than rms_norm supports ({MAX_HIDDEN})")
     _require(isinstance(weight, torch.Tensor) and weight.shape == (hidden,) and weight.stride(0) == 1,
              lambda: f"weight must be a contiguous ({hidden},) tensor, got {getattr(weight, 'shape', weight)}")
     _check_like("weight", weight, "x", x)
