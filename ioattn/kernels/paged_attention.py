@@ -4,10 +4,19 @@ One program owns (query tile of one sequence, KV head, split). Its tile packs, r
 that shares the KV head and — for multi-token queries — several consecutive tokens (row r: token r // GROUP,
 head r % GROUP), so each K/V tile is loaded once for the whole group. Keys are gathered through the block
 table: a K/V tile of BLOCK_N logical positions maps to physical rows `block_table[pos // PAGE] * PAGE +
-pos % PAGE`. Splits divide the visible key range of the tile; every split writes its normalised partial
-output and natural-log LSE, and `ioattn.kernels.combine` merges them. With one split the program writes the
-final output directly. Masking is over logical positions: query at position p sees key k iff k < seq_len,
-k <= p + right (when right >= 0) and (k >= p - left or k < sink_tokens) (when left >= 0).
+pos % PAGE`, with one table read per page of the tile (reading it per position cost a quarter of the decode
+bandwidth on an H200: 2.97 against 4.21 TB/s at B=64 L=4k, bench/results/2026-12-01-explore1/2-h200.json).
+Splits divide the visible key range of the tile; every split writes its normalised partial output and
+natural-log LSE, and `ioattn.kernels.combine` merges them. With one split the program writes the final output
+directly. Masking is over logical positions: query at position p sees key k iff k < seq_len, k <= p + right
+(when right >= 0) and (k >= p - left or k < sink_tokens) (when left >= 0). A table entry of -1 (a block an
+eviction policy freed) is never read: masked tiles load only positions whose block id is >= 0.
+
+Loop shape, as Triton 3.6 pipelines it (read off the sm_90 TTGIR with bench/explore/aot.py): the gathered K/V
+loads get one shared-memory buffer, issued at the end of an iteration and awaited at the start of the next, so
+a program overlaps little of its own load latency; resident programs hide it for each other, which is why the
+decode tile is small (few registers and little shared memory: ~5 programs per SM) and why the split heuristic
+in `ioattn.ops.paged` aims at several programs per SM.
 """
 
 import triton
@@ -26,13 +35,18 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _page_blocks(table_row, offs_n, tile_start, seq_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Physical block id (int64) of each logical position `offs_n` of one K/V tile."""
+def _tile_blocks(table_row, tile, seq_len, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Physical block id (int64) of the positions of K/V tile `tile`; -1 past seq_len (the table is not read)."""
+    start = tile * BLOCK_N
     if PAGE >= BLOCK_N:
         # The whole tile lies in one cache block: a single table read, and the rows stay provably contiguous.
-        return tl.load(table_row + tile_start // PAGE).to(tl.int64)
+        return tl.load(table_row + start // PAGE, mask=start < seq_len, other=-1).to(tl.int64)
     else:
-        return tl.load(table_row + offs_n // PAGE, mask=offs_n < seq_len, other=0).to(tl.int64)
+        # One table read per page of the tile, broadcast over the page's slots (not one per position).
+        PAGES: tl.constexpr = BLOCK_N // PAGE
+        pages = start // PAGE + tl.arange(0, PAGES)
+        blocks = tl.load(table_row + pages, mask=pages * PAGE < seq_len, other=-1).to(tl.int64)
+        return tl.reshape(tl.broadcast_to(blocks[:, None], [PAGES, PAGE]), [BLOCK_N])
 
 
 @triton.jit
@@ -43,22 +57,22 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
                   IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi); scores kept in base 2 (exp2 is the fast path).
 
-    MASKED=False is for tiles every row sees whole: no bounds or position tests at all (the common case).
+    MASKED=False is for tiles every row sees whole: no bounds or position tests at all.
     """
     d_ok = offs_d < HEAD_DIM
     for tile in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
         start = tile * BLOCK_N
         offs_n = start + tl.arange(0, BLOCK_N)
-        block = _page_blocks(table_row, offs_n, start, seq_len, PAGE, BLOCK_N)
+        block = _tile_blocks(table_row, tile, seq_len, PAGE, BLOCK_N)
         slot = offs_n % PAGE
         k_ptrs = K_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
         v_ptrs = V_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
         if MASKED:
-            in_seq = offs_n < seq_len
-            k = tl.load(k_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=in_seq[:, None] & d_ok[None, :], other=0.0)
+            live = (block >= 0) & (offs_n < seq_len)  # evicted blocks and positions past the end read as zero
+            k = tl.load(k_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
             s = _dot(q, tl.trans(k), None, IEEE) * scale_log2
-            seen = (in_seq[None, :]
+            seen = (live[None, :]
                     & ((window_right < 0) | (offs_n[None, :] <= pos[:, None] + window_right))
                     & ((window_left < 0) | (offs_n[None, :] >= pos[:, None] - window_left)
                        | (offs_n[None, :] < sink_tokens)))
@@ -78,7 +92,10 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
     return acc, m_i, l_i
 
 
-@triton.jit
+# Per-call values (split count, tiles per sequence, windows) would otherwise each compile a specialisation
+# (== 1, % 16) in the middle of serving.
+@triton.jit(do_not_specialize=["window_left", "window_right", "sink_tokens", "num_splits", "q_tiles_per_seq",
+                               "stride_table"])
 def paged_attention_kernel(
     Q, K_cache, V_cache, Block_table, Seq_lens, Cu_seqlens_q, Out, Lse,
     stride_qt, stride_qh,
@@ -136,38 +153,29 @@ def paged_attention_kernel(
     table_row = Block_table + seq.to(tl.int64) * stride_table
     K_head = K_cache + kv_head * stride_kh
     V_head = V_cache + kv_head * stride_vh
+
+    # Sink tiles left of the window are always visible; the first split owns them.
+    sink_hi = tl.minimum((tl.minimum(sink_tokens, kv_hi) + BLOCK_N - 1) // BLOCK_N, tile_lo)
+    sink_hi = tl.where(split == 0, sink_hi, 0)
     # Tiles that every row of this tile sees whole need no mask: [full_lo, full_hi) within this split.
     full_lo = tl.where(window_left >= 0, (tl.maximum(last_pos - window_left, 0) + BLOCK_N - 1) // BLOCK_N, tile_lo)
     full_hi = tl.where(window_right >= 0, tl.minimum(seq_len, first_pos + window_right + 1), seq_len) // BLOCK_N
     full_lo = tl.minimum(tl.maximum(full_lo, split_lo), split_hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), split_hi)
-
-    # Sink tiles left of the window are always visible; the first split owns them.
-    sink_hi = tl.minimum((tl.minimum(sink_tokens, kv_hi) + BLOCK_N - 1) // BLOCK_N, tile_lo)
-    sink_hi = tl.where(split == 0, sink_hi, 0)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, 0, sink_hi,
-        window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, True)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, split_lo, full_lo,
-        window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, True)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, full_lo, full_hi,
-        window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, False)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, full_hi, split_hi,
-        window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-        offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, True)
+    for segment in tl.static_range(4):  # sinks, boundary tiles, inner tiles (no element masks), boundary tiles
+        lo = 0 if segment == 0 else (split_lo if segment == 1 else (full_lo if segment == 2 else full_hi))
+        hi = sink_hi if segment == 0 else (full_lo if segment == 1 else (full_hi if segment == 2 else split_hi))
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, lo, hi,
+            window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
+            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2)
 
     # Empty rows (no visible key in this split) write output 0 and LSE -inf, never NaN.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
-    o_ptrs = (Out + split.to(tl.int64) * stride_os + (q_start + token)[:, None].to(tl.int64) * stride_ot
-              + head[:, None] * stride_oh + offs_d[None, :])
+    token64 = (q_start + token).to(tl.int64)
+    o_ptrs = (Out + split.to(tl.int64) * stride_os + token64[:, None] * stride_ot + head[:, None] * stride_oh
+              + offs_d[None, :])
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    l_ptrs = Lse + split.to(tl.int64) * stride_ls + (q_start + token).to(tl.int64) * stride_lt + head * stride_lh
-    tl.store(l_ptrs, lse, mask=row_ok)
+    tl.store(Lse + split.to(tl.int64) * stride_ls + token64 * stride_lt + head * stride_lh, lse, mask=row_ok)

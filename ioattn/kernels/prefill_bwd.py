@@ -66,10 +66,11 @@ def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
     """Configurations worth timing on a GPU for this head dim and dtype, fastest first (the first is the default).
 
     Chosen from ptxas reports for sm_90 (bf16): these fit in 255 registers without spills, or nearly; 4 warps
-    with a 128-row resident tile spill heavily, and the fused-atomic dQ tile costs registers. Ordered by an
-    H200 timing (bf16, B·N = 16k, H·D = 2048, N = 2k and 16k; bench/results/2026-11-29-tune-bwd-h200.json):
-    the fused atomic dQ was slower than the separate dQ kernel on every shape (277 vs 364 TFLOP/s at D=128,
-    N=16k), so the default backward is also the deterministic one."""
+    with a 128-row resident tile spill heavily, and the fused-atomic dQ tile costs registers. Ordered by H200
+    timings (bf16, B·N = 16k, H·D = 2048, N = 2k and 16k; bench/results/2026-11-29-tune-bwd-h200.json, and for
+    D=128 the stage counts in bench/results/2026-12-01-explore1-h200.json): the fused atomic dQ was slower than
+    the separate dQ kernel on every shape (277 vs 364 TFLOP/s at D=128, N=16k), so the default backward is also
+    the deterministic one."""
     if interpreted():
         return [BwdConfig(16, 16, 16, 16, 4, 1, False), BwdConfig(16, 16, 16, 16, 4, 1, True)]
     row_bytes = head_dim_padded(head_dim) * dtype.itemsize
@@ -77,8 +78,8 @@ def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
         return [BwdConfig(64, 64, 64, 64, 4, 3, False), BwdConfig(128, 64, 128, 64, 8, 3, False),
                 BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 256:  # 16-bit D <= 128
-        return [BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, False),
-                BwdConfig(64, 64, 64, 64, 8, 3, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
+        return [BwdConfig(128, 64, 128, 64, 8, 3, False), BwdConfig(128, 64, 128, 64, 8, 4, False),
+                BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 512:  # 16-bit D <= 256, fp32 D <= 128
         return [BwdConfig(64, 32, 64, 32, 8, 2, False), BwdConfig(64, 64, 64, 64, 8, 2, False),
                 BwdConfig(64, 32, 64, 32, 8, 2, True)]
@@ -301,7 +302,8 @@ def attention_bwd_dq_kernel(
     batch = tl.program_id(1) // num_heads
     head = tl.program_id(1) % num_heads
     q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, batch, seqlen_q, seqlen_k, VARLEN)
-    start_m = tl.program_id(0) * BLOCK_M
+    # last query tiles first: under causal masks they see the most keys, so the grid's tail is short work
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     if start_m >= seqlen_q:
         return
     batch64 = batch.to(tl.int64)

@@ -38,9 +38,11 @@ class FwdConfig:
     num_warps: int
     num_stages: int
     loop_stages: int | None = None  # tl.range(num_stages=...) of the K/V loops; None keeps the launch default
+    tma: bool = True  # tiles move through device-side tensor descriptors; False: pointer loads (cp.async)
 
     def __str__(self) -> str:
         extra = "" if self.loop_stages is None else f" loop_stages={self.loop_stages}"
+        extra += "" if self.tma else " loads=pointers"
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} "
                 f"num_stages={self.num_stages}{extra}")
 
@@ -58,17 +60,36 @@ class FwdProblem:
 
 
 @triton.jit
+def _load_kv_tile(desc, base, start_n, stride_n, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr, BOUNDED: tl.constexpr):
+    """Rows start_n.. of a K or V sequence; rows past seqlen_k and padded head-dim columns read as zero."""
+    if TMA:
+        return desc.load([start_n, 0])
+    else:
+        rows = start_n + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        ptrs = base + rows.to(tl.int64)[:, None] * stride_n + dims[None, :]
+        if BOUNDED:
+            return tl.load(ptrs, mask=(rows < seqlen_k)[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            return tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
 def _attend_tiles(
-    acc, l_i, m_i, q, k_desc, v_desc, lo, hi,
+    acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, lo, hi,
     key_pos, row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr,
+    MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
     MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
     SCALE_POSITIVE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         # scores in base 2: qk_scale already carries log2(e)
-        k = k_desc.load([start_n, 0])
+        k = _load_kv_tile(k_desc, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
         qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
         if MASKED:
             s = qk * qk_scale
@@ -104,7 +125,7 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_base)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = v_desc.load([start_n, 0])
+        v = _load_kv_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -125,7 +146,7 @@ def prefill_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, PACK_GQA: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_POSITIVE: tl.constexpr, TMA: tl.constexpr,
 ):
     # --- which rows this program owns: ROWS query positions of one head, or of a whole GQA group (packed)
     ROWS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M
@@ -153,29 +174,6 @@ def prefill_fwd_kernel(
     if start_row < seqlen_q:  # a program past this sequence's end has nothing to do
         batch64 = batch.to(tl.int64)
 
-        # --- descriptors over this sequence only, so reads past its end are zero and writes past it are dropped
-        q_base = Q + batch64 * stride_qb + q_start64 * stride_qn
-        o_base = O + batch64 * stride_ob + q_start64 * stride_on
-        if PACK_GQA:
-            q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
-                                               strides=[stride_qn, stride_qh, 1], block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
-            o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
-                                               strides=[stride_on, stride_oh, 1], block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
-            q = q_desc.load([start_row, head_q, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
-        else:
-            q_desc = tl.make_tensor_descriptor(q_base + head_q * stride_qh, shape=[seqlen_q, HEAD_DIM],
-                                               strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-            o_desc = tl.make_tensor_descriptor(o_base + head_q * stride_oh, shape=[seqlen_q, HEAD_DIM],
-                                               strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
-            q = q_desc.load([start_row, 0])
-        # an empty K/V sequence still gets a 1-row descriptor (never read: its tile range below is empty)
-        k_desc = tl.make_tensor_descriptor(K + batch64 * stride_kb + k_start64 * stride_kn + head_kv * stride_kh,
-                                           shape=[tl.maximum(seqlen_k, 1), HEAD_DIM], strides=[stride_kn, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
-        v_desc = tl.make_tensor_descriptor(V + batch64 * stride_vb + k_start64 * stride_vn + head_kv * stride_vh,
-                                           shape=[tl.maximum(seqlen_k, 1), HEAD_DIM], strides=[stride_vn, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
-
         # --- per-row position (in key coordinates) and head
         offs = tl.arange(0, BLOCK_M)
         if PACK_GQA:
@@ -188,6 +186,42 @@ def prefill_fwd_kernel(
         shift = seqlen_k - seqlen_q if BOTTOM_RIGHT else 0
         key_pos = row + shift
         mask_rows = MASK + batch64 * stride_mb + row_head.to(tl.int64) * stride_mh + row.to(tl.int64) * stride_mm
+
+        q_base = Q + batch64 * stride_qb + q_start64 * stride_qn
+        o_base = O + batch64 * stride_ob + q_start64 * stride_on
+        k_base = K + batch64 * stride_kb + k_start64 * stride_kn + head_kv * stride_kh
+        v_base = V + batch64 * stride_vb + k_start64 * stride_vn + head_kv * stride_vh
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        if TMA:
+            # descriptors over this sequence only, so reads past its end are zero and writes past it are dropped
+            if PACK_GQA:
+                q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                                   strides=[stride_qn, stride_qh, 1],
+                                                   block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
+                o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, num_heads_q, HEAD_DIM],
+                                                   strides=[stride_on, stride_oh, 1],
+                                                   block_shape=[ROWS, GROUP, HEAD_DIM_PAD])
+                q = q_desc.load([start_row, head_q, 0]).reshape(BLOCK_M, HEAD_DIM_PAD)
+            else:
+                q_desc = tl.make_tensor_descriptor(q_base + head_q * stride_qh, shape=[seqlen_q, HEAD_DIM],
+                                                   strides=[stride_qn, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+                o_desc = tl.make_tensor_descriptor(o_base + head_q * stride_oh, shape=[seqlen_q, HEAD_DIM],
+                                                   strides=[stride_on, 1], block_shape=[BLOCK_M, HEAD_DIM_PAD])
+                q = q_desc.load([start_row, 0])
+            # an empty K/V sequence still gets a 1-row descriptor (never read: its tile range below is empty)
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                               strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        else:
+            # pointer loads: no per-program descriptor setup, which short sequences feel most
+            q_desc = Q
+            o_desc = O
+            k_desc = K
+            v_desc = V
+            row_offsets = row.to(tl.int64)[:, None] * stride_qn + row_head.to(tl.int64)[:, None] * stride_qh
+            io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+            q = tl.load(q_base + row_offsets + dims[None, :], mask=io_mask, other=0.0)
 
         # --- K/V tile ranges: [kv_lo, full_lo) and [full_hi, kv_hi) need per-element masks, [full_lo, full_hi) not
         first_pos = start_row + shift
@@ -214,23 +248,29 @@ def prefill_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_desc, v_desc, kv_lo, full_lo, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
-            qk_scale, window_left, window_right, BLOCK_N, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, kv_lo, full_lo, key_pos,
+            row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, TMA, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
             INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_desc, v_desc, full_lo, full_hi, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
-            qk_scale, window_left, window_right, BLOCK_N, False, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, full_lo, full_hi, key_pos,
+            row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, TMA, False, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
             INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, k_desc, v_desc, full_hi, kv_hi, key_pos, row_valid, mask_rows, stride_mn, seqlen_k,
-            qk_scale, window_left, window_right, BLOCK_N, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
+            acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, full_hi, kv_hi, key_pos,
+            row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
+            HEAD_DIM_PAD, TMA, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
             INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
 
         # --- epilogue: rows that saw no key get output 0 and LSE -inf
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
-        if PACK_GQA:
+        if not TMA:
+            o_rows = row.to(tl.int64)[:, None] * stride_on + row_head.to(tl.int64)[:, None] * stride_oh
+            tl.store(o_base + o_rows + dims[None, :], out.to(O.dtype.element_ty), mask=io_mask)
+        elif PACK_GQA:
             o_desc.store([start_row, head_q, 0], out.to(O.dtype.element_ty).reshape(ROWS, GROUP, HEAD_DIM_PAD))
         else:
             o_desc.store([start_row, 0], out.to(O.dtype.element_ty))
@@ -319,5 +359,6 @@ def launch_prefill_fwd(
         GROUP=group, PACK_GQA=problem.pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=problem.bottom_right,
         LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
         INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
-        SCALE_POSITIVE=problem.softmax_scale > 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

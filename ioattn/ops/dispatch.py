@@ -40,19 +40,25 @@ _HOPPER_16BIT: dict[tuple[int, bool], FwdConfig] = {
     (128, False): FwdConfig(128, 64, 4, 2), (128, True): FwdConfig(128, 64, 4, 2),
     (256, False): FwdConfig(128, 64, 8, 2), (256, True): FwdConfig(128, 64, 8, 2),
 }
-# Short causal queries at small head dims have too few tiles per row for 128-wide K/V tiles to pay
-# (H200, D=64, N=2048: 64x64 306 TFLOP/s against 286 for 64x128; bench/results/2026-11-29-fwd-fma.md).
+# Short queries at small head dims: few K/V tiles per program, so its fixed costs weigh more. Causal ones take
+# narrower tiles (H200, D=64, N=2048: 64x64 306 TFLOP/s against 286 for 64x128;
+# bench/results/2026-11-29-fwd-fma.md), and at D=64 pointer loads beat tensor descriptors, which every program
+# builds for itself (N=2048: 393 against 379 non-causal, 315 against 304 causal; at N=4096 descriptors win
+# again, 418 against 408: bench/results/2026-12-01-explore2-h200.json).
 SHORT_SEQLEN = 2048
 _HOPPER_16BIT_SHORT: dict[tuple[int, bool], FwdConfig] = {
-    (16, True): FwdConfig(64, 64, 4, 2), (32, True): FwdConfig(64, 64, 4, 2), (64, True): FwdConfig(64, 64, 4, 2),
+    (16, True): FwdConfig(64, 64, 4, 2), (32, True): FwdConfig(64, 64, 4, 2),
+    (64, False): FwdConfig(128, 64, 4, 3, tma=False), (64, True): FwdConfig(64, 64, 4, 3, tma=False),
 }
 _INTERPRETER_CONFIG = FwdConfig(32, 32, 4, 1)  # small tiles keep the CPU interpreter quick
 
-# Hopper backward table for 16-bit inputs, keyed by padded head dim: the fastest candidates of an H200 timing
-# (bench/results/2026-11-29-tune-bwd-h200.json; D=256 not timed yet, its first register-checked candidate).
+# Hopper backward table for 16-bit inputs, keyed by padded head dim: the fastest candidates of H200 timings
+# (bench/results/2026-11-29-tune-bwd-h200.json; D=128 re-timed in bench/results/2026-12-01-explore1-h200.json:
+# 3 stages 428 / 426 TFLOP/s non-causal / causal at N=16k against 348 / 375 with 2; D=256 not timed yet, its
+# first register-checked candidate).
 _HOPPER_BWD_16BIT: dict[int, BwdConfig] = {
     16: BwdConfig(64, 64, 64, 64, 4, 3, False), 32: BwdConfig(64, 64, 64, 64, 4, 3, False),
-    64: BwdConfig(64, 64, 64, 64, 4, 3, False), 128: BwdConfig(128, 64, 128, 64, 8, 2, False),
+    64: BwdConfig(64, 64, 64, 64, 4, 3, False), 128: BwdConfig(128, 64, 128, 64, 8, 3, False),
     256: BwdConfig(64, 32, 64, 32, 8, 2, False),
 }
 

@@ -29,12 +29,17 @@ from ioattn.ops.checks import (
 MAX_BLOCK_SIZE = 256
 
 # Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
-# When that leaves SMs idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (two resident
-# programs hide each other's load latency), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (below
-# that the combine pass and the partial writes cost more than the parallelism gains) and never more than
-# MAX_SPLITS. The context length used is the block table's capacity, block_table.shape[1] * block_size: a host
-# number, so choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
-PROGRAMS_PER_SM = 2
+# When that leaves SMs idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
+# programs hide each other's load latency: each program overlaps little of its own, see
+# ioattn/kernels/paged_attention.py), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (below that the
+# combine pass and the partial writes cost more than the parallelism gains) and never more than MAX_SPLITS.
+# H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json and -explore3-h200.json): B=1
+# L=32k reads 2.55 TB/s at 48-64 splits against 2.43 at 33 (the former target of 2 programs per SM); B=8 L=32k
+# 4.09 at 8 splits against 3.76 at 5; splitting a batch that already fills the SMs only loses (B=64 L=1k: 3.36
+# unsplit, 3.06 with 2 splits).
+# The context length used is the block table's capacity, block_table.shape[1] * block_size: a host number, so
+# choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
+PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
 
@@ -51,17 +56,22 @@ class PagedConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    maxnreg: int | None = None  # register cap per thread (more resident programs per SM, a few spills)
 
 
 def default_config(*, decode: bool, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PagedConfig:
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
     if decode:
-        # H200, bf16, 32/8 heads, D=128, unsplit: 64-key tiles with 2 stages read 4.21 TB/s at B=64 L=8k against
-        # 3.92 with 3 stages (bench/results/2026-11-29-tune-decode-h200.json)
+        # H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json): 64-key tiles, 4 warps,
+        # 2 stages read 4.21 TB/s at B=64 L=4k and 4.05 at B=256 L=1k; 128-key tiles, 8 warps or register caps
+        # were no better anywhere
         return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
     if head_dim <= 128:
-        return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+        # chunked prefill (4k new tokens on a 4k context, page 16): capping 8 warps at 128 registers fits two
+        # programs per SM, 505 TFLOP/s against 416 uncapped (bench/results/2026-12-01-explore2-h200.json); the
+        # page gather itself costs ~6% (537 on a page-64 pool, explore3), the dense forward reaches 659
+        return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -70,13 +80,13 @@ def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
     stage_options = (1, 2, 3, 4)
     if decode:
         return [
-            PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s)
-            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options
+            PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
+            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options for r in (None, 64, 96)
             if n * head_dim <= 16384
         ]
     return [
-        PagedConfig(block_m=m, block_n=n, num_warps=w, num_stages=s)
-        for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in stage_options[1:]
+        PagedConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
+        for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in stage_options[1:] for r in (None, 128)
         if n * head_dim <= 16384 and m * head_dim <= 32768
     ]
 
@@ -277,7 +287,7 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
         DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
         combine_splits_kernel[(num_tokens, num_heads)](

@@ -134,6 +134,33 @@ def test_multi_token_queries(data, group, page, dtype, num_splits):
              num_splits=num_splits)
 
 
+
+@pytest.mark.parametrize("page, q_lens", [(4, None), (16, None), (4, [6, 1]), (16, [6, 1])])
+def test_evicted_blocks_are_never_read(device, page, q_lens):
+    # A sink + window eviction policy frees the blocks between the sinks and the window and marks them -1 in the
+    # table (ioattn.kv's evict_window); tiles straddling them must not load through block -1 (which would read
+    # before the pool, or NaN) and must give exactly the sink + window attention.
+    seq_lens, window, sinks = [150, 97], (24, -1), 4
+    k_cache, v_cache, table = make_paged_cache(seq_lens, page=page, kv_heads=1, head_dim=32, dtype=torch.float32,
+                                               device=device)
+    lens = [1] * len(seq_lens) if q_lens is None else q_lens
+    q = torch.randn(sum(lens), 2, 32, device=device)
+    reference_out = reference(q, k_cache, v_cache, table, seq_lens, lens, window_size=window, sink_tokens=sinks)[0]
+    for b, n in enumerate(seq_lens):
+        first_needed = n - max(lens[b], 1) - window[0]  # the earliest position any query of b sees in its window
+        for j in range(table.shape[1]):
+            if sinks <= j * page and (j + 1) * page <= first_needed:  # wholly between the sinks and the window
+                k_cache[table[b, j]] = float("nan")
+                v_cache[table[b, j]] = float("nan")
+                table[b, j] = -1
+    extra = {} if q_lens is None else dict(
+        cu_seqlens_q=torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32), max_seqlen_q=max(lens))
+    for splits in (1, 3):
+        out = paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                              window_size=window, sink_tokens=sinks, num_splits=splits, **extra)
+        assert not torch.isnan(out).any()
+        assert rel_error(out, reference_out) < TOLERANCE[torch.float32]
+
 def test_empty_sequences_give_zero_and_neg_inf(device):
     out, lse = run_case(device, seq_lens=[0, 0], num_splits=4)
     assert torch.equal(out, torch.zeros_like(out))

@@ -19,6 +19,8 @@ from ioattn.ops.dispatch import HOPPER_SHARED_MEMORY, candidate_configs, shared_
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 SMALL = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_POINTERS = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, tma=False)  # pointer loads, no TMA
+LOAD_MODES = st.sampled_from([SMALL, SMALL_POINTERS])
 
 
 def folded_window(causal, window):
@@ -59,7 +61,8 @@ window_st = st.tuples(st.integers(-1, 40), st.integers(-1, 40))
 @settings(max_examples=30, deadline=None)
 @given(b=st.integers(1, 2), n_q=st.integers(1, 60), n_k=st.integers(1, 40), heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (3, 1)]),
        d=st.sampled_from([8, 16, 24, 40]), causal=st.booleans(), window=window_st,
-       dtype=st.sampled_from([torch.float32, torch.float16]), config=st.sampled_from([SMALL, FwdConfig(16, 32, 4, 1)]))
+       dtype=st.sampled_from([torch.float32, torch.float16]),
+       config=st.sampled_from([SMALL, FwdConfig(16, 32, 4, 1), SMALL_POINTERS, FwdConfig(16, 32, 4, 1, tma=False)]))
 def test_dense_matches_reference(b, n_q, n_k, heads, d, causal, window, dtype, config):
     q, k, v = qkv(b, n_q, n_k, *heads, d, dtype)
     out, lse = run_dense(q, k, v, causal=causal, window=window, config=config)
@@ -69,51 +72,53 @@ def test_dense_matches_reference(b, n_q, n_k, heads, d, causal, window, dtype, c
 
 @settings(max_examples=12, deadline=None)
 @given(n_q=st.integers(1, 12), n_k=st.integers(1, 50), group=st.sampled_from([2, 4]), causal=st.booleans(),
-       window=window_st)
-def test_packed_gqa_matches_reference(n_q, n_k, group, causal, window):
+       window=window_st, config=LOAD_MODES)
+def test_packed_gqa_matches_reference(n_q, n_k, group, causal, window, config):
     """One program per GQA group: the rows of 2 or 4 query heads share each K/V tile."""
     q, k, v = qkv(2, n_q, n_k, 2 * group, 2, 16, torch.float32)
-    out, lse = run_dense(q, k, v, causal=causal, window=window, pack_gqa=True)
+    out, lse = run_dense(q, k, v, causal=causal, window=window, pack_gqa=True, config=config)
     ref_out, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window)
     check(out, lse, ref_out, ref_lse, torch.float32)
 
 
 @settings(max_examples=12, deadline=None)
 @given(n_q=st.integers(1, 30), n_k=st.integers(1, 30), kind=st.sampled_from(["bool", "additive"]),
-       shape=st.sampled_from(["full", "rows", "keys", "2d"]), pack=st.booleans())
-def test_dense_mask_streamed(n_q, n_k, kind, shape, pack):
+       shape=st.sampled_from(["full", "rows", "keys", "2d"]), pack=st.booleans(), config=LOAD_MODES)
+def test_dense_mask_streamed(n_q, n_k, kind, shape, pack, config):
     q, k, v = qkv(2, n_q, n_k, 4, 2, 16, torch.float32)
     mask_shape = {"full": (2, 4, n_q, n_k), "rows": (2, 1, n_q, 1), "keys": (1, 1, 1, n_k), "2d": (n_q, n_k)}[shape]
     mask = torch.rand(mask_shape) > 0.3 if kind == "bool" else torch.randn(mask_shape)
-    out, lse = run_dense(q, k, v, mask=mask, pack_gqa=pack, bottom_right=False)
+    out, lse = run_dense(q, k, v, mask=mask, pack_gqa=pack, bottom_right=False, config=config)
     ref_out, ref_lse = attention_ref(q, k, v, attn_mask=mask)
     check(out, lse, ref_out, ref_lse, torch.float32)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS])
 @pytest.mark.parametrize("d", [8, 72, 256])
-def test_head_dims_padded_to_power_of_two(d):
+def test_head_dims_padded_to_power_of_two(d, config):
     q, k, v = qkv(1, 20, 24, 2, 1, d, torch.float32)
-    out, lse = run_dense(q, k, v, causal=True)
+    out, lse = run_dense(q, k, v, causal=True, config=config)
     check(out, lse, *attention_ref(q, k, v, causal=True), torch.float32)
 
 
-def test_fully_masked_rows_give_zero_and_neg_inf():
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS])
+def test_fully_masked_rows_give_zero_and_neg_inf(config):
     """Causal with Nq > Nk (bottom-right): the first Nq - Nk rows see no key; a window can empty rows too."""
     q, k, v = qkv(1, 40, 8, 2, 2, 16, torch.float16)
-    out, lse = run_dense(q, k, v, causal=True)
+    out, lse = run_dense(q, k, v, causal=True, config=config)
     assert torch.equal(out[:, :32], torch.zeros_like(out[:, :32]))
     assert torch.isneginf(lse[..., :32]).all()
     check(out, lse, *attention_ref(q, k, v, causal=True), torch.float16)
     mask = torch.ones(40, 8, dtype=torch.bool)
     mask[5] = False
-    out, lse = run_dense(q, k, v, mask=mask)
+    out, lse = run_dense(q, k, v, mask=mask, config=config)
     assert torch.equal(out[:, 5], torch.zeros_like(out[:, 5])) and torch.isneginf(lse[..., 5]).all()
 
 
 @settings(max_examples=10, deadline=None)
 @given(lens=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 30)), min_size=1, max_size=4),
-       causal=st.booleans(), window=window_st, pack=st.booleans())
-def test_varlen_with_empty_sequences(lens, causal, window, pack):
+       causal=st.booleans(), window=window_st, pack=st.booleans(), config=LOAD_MODES)
+def test_varlen_with_empty_sequences(lens, causal, window, pack, config):
     cu_q = torch.tensor([0] + [sum(a for a, _ in lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     cu_k = torch.tensor([0] + [sum(b for _, b in lens[: i + 1]) for i in range(len(lens))], dtype=torch.int32)
     total_q, total_k = int(cu_q[-1]), int(cu_k[-1])
@@ -124,7 +129,7 @@ def test_varlen_with_empty_sequences(lens, causal, window, pack):
     left, right = folded_window(causal, window)
     problem = FwdProblem(0.25, left, right, True, "ieee", pack)
     if total_k > 0:
-        launch_prefill_fwd(q, k, v, out, lse, problem, SMALL, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        launch_prefill_fwd(q, k, v, out, lse, problem, config, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                            max_seqlen_q=max(a for a, _ in lens))
     else:  # the ops layer answers "no keys at all" without a launch
         out.zero_()
@@ -134,10 +139,11 @@ def test_varlen_with_empty_sequences(lens, causal, window, pack):
     check(out, lse, ref_out, ref_lse, torch.float32)
 
 
-def test_strided_inputs_through_strides():
+@pytest.mark.parametrize("config", [SMALL, SMALL_POINTERS])
+def test_strided_inputs_through_strides(config):
     """q/k/v as (B, H, N, D) storage viewed as (B, N, H, D): the descriptors take the strides as they are."""
     q, k, v = (torch.randn(2, 2, n, 32).transpose(1, 2) for n in (20, 30, 30))
-    out, lse = run_dense(q, k, v, causal=True)
+    out, lse = run_dense(q, k, v, causal=True, config=config)
     check(out, lse, *attention_ref(q, k, v, causal=True), torch.float32)
 
 
@@ -157,7 +163,8 @@ def test_shared_memory_estimate_matches_sm90_builds():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 4, 2), FwdConfig(64, 64, 4, 2, 2),
-                                    FwdConfig(64, 128, 4, 2), FwdConfig(128, 128, 4, 3)])
+                                    FwdConfig(64, 128, 4, 2), FwdConfig(128, 128, 4, 3),
+                                    FwdConfig(128, 64, 4, 3, tma=False), FwdConfig(64, 64, 4, 3, tma=False)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_explicit_configs(config, causal):
     q, k, v = qkv(2, 1000, 1100, 8, 2, 128, torch.bfloat16, "cuda")
@@ -174,7 +181,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ioattn.kernels.prefill_fwd import head_dim_padded, prefill_fwd_kernel as kernel
 
-def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask_kind, pack_gqa, group, varlen):
+def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask_kind, pack_gqa, group, varlen, tma):
     names = kernel.arg_names
     sig = {n: "i32" for n in names}
     sig.update({n: f"*{dtype}" for n in ("Q", "K", "V", "O")}, LSE="*fp32", qk_scale="fp32",
@@ -182,7 +189,7 @@ def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask
     sig.update({n: "i64" for n in ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_lb", "stride_mb")})
     const = dict(HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
                  PACK_GQA=pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=True, LEFT_BOUNDED=False, RIGHT_BOUNDED=right_bounded,
-                 MASK_KIND=mask_kind, INPUT_PRECISION="ieee", LOOP_STAGES=None, SCALE_POSITIVE=True)
+                 MASK_KIND=mask_kind, INPUT_PRECISION="ieee", LOOP_STAGES=None, SCALE_POSITIVE=True, TMA=tma)
     sig.update({n: "constexpr" for n in const})
     aligned = ("Q", "K", "V", "O", "LSE", "stride_qn", "stride_qh", "stride_kn", "stride_kh", "stride_vn",
                "stride_vh", "stride_on", "stride_oh")
@@ -198,18 +205,19 @@ print(json.dumps([build(*case) for case in json.loads(sys.argv[1])]))
 def test_builds_for_hopper_within_shared_memory():
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton install has no ptxas")
-    cases = [  # (dtype, D, BM, BN, warps, stages, causal, mask kind, pack_gqa, group, varlen)
-        ("bf16", 128, 128, 64, 4, 2, True, 0, False, 1, False),  # the sm90 table's D=128 entry
-        ("bf16", 128, 128, 128, 8, 3, True, 0, False, 1, True),  # varlen, largest candidate tiles
-        ("fp16", 72, 128, 128, 8, 2, False, 2, True, 4, False),  # fp32 additive mask, packed GQA
+    cases = [  # (dtype, D, BM, BN, warps, stages, causal, mask kind, pack_gqa, group, varlen, tma)
+        ("bf16", 128, 128, 64, 4, 2, True, 0, False, 1, False, True),  # the sm90 table's D=128 entry
+        ("bf16", 128, 128, 128, 8, 3, True, 0, False, 1, True, True),  # varlen, largest candidate tiles
+        ("fp16", 72, 128, 128, 8, 2, False, 2, True, 4, False, True),  # fp32 additive mask, packed GQA
+        ("bf16", 64, 128, 64, 4, 3, False, 0, False, 1, False, False),  # the short-query D=64 entry: pointers
     ]
     result = subprocess.run([sys.executable, "-c", SM90_BUILD, json.dumps(cases)], capture_output=True, text=True,
                             env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for case, shared in zip(cases, json.loads(result.stdout.splitlines()[-1])):
-        dtype, d, bm, bn, warps, stages, _, mask_kind, _, _, _ = case
-        config = FwdConfig(bm, bn, warps, stages)
+        dtype, d, bm, bn, warps, stages, _, mask_kind, _, _, _, tma = case
+        config = FwdConfig(bm, bn, warps, stages, tma=tma)
         estimate = shared_memory_estimate(config, d, dtypes[dtype], torch.float32 if mask_kind == 2 else None)
         assert shared <= estimate <= HOPPER_SHARED_MEMORY, (case, shared, estimate)
 

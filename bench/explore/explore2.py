@@ -1,0 +1,171 @@
+"""Device exploration 2: register caps for the paged kernels, pointer-load forward tiles, backward stages.
+
+PYTHONPATH=. python3 bench/explore/explore2.py [sections]; writes $OUT/explore2.json (same checks as explore1).
+Results: bench/results/2026-12-01-explore2-h200.json.
+"""
+import sys
+import time
+
+import torch
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import explore1 as e1  # noqa: E402
+from ioattn.ops.paged import PagedConfig as C
+
+e1.RESULTS["name"] = "explore2"
+
+
+def save():
+    import json
+    with open(f"{e1.OUT}/explore2.json", "w") as f:
+        json.dump(e1.RESULTS, f, indent=1, default=str)
+
+
+e1.save = save
+
+e1.DECODE_SHAPES = [(1, 512), (3, 256)] if e1.TINY else [(1, 32768), (1, 131072), (8, 32768), (64, 1024), (256, 1024),
+                                                         (64, 4096)]
+
+
+def decode_configs():
+    return {
+        "base": C(16, 64, 4, 2, prefetch=False),
+        "n64w4s2r96": C(16, 64, 4, 2, prefetch=False, maxnreg=96),
+        "n64w4s2r80": C(16, 64, 4, 2, prefetch=False, maxnreg=80),
+        "n32w4s2r80": C(16, 32, 4, 2, prefetch=False, maxnreg=80),
+        "n32w4s2r64": C(16, 32, 4, 2, prefetch=False, maxnreg=64),
+        "n128w4s2": C(16, 128, 4, 2, prefetch=False),
+        "n128w4s2r128": C(16, 128, 4, 2, prefetch=False, maxnreg=128),
+        "n128w8s2": C(16, 128, 8, 2, prefetch=False),
+        "n128w8s2r80": C(16, 128, 8, 2, prefetch=False, maxnreg=80),
+        "n128w8s2r64": C(16, 128, 8, 2, prefetch=False, maxnreg=64),
+        "n64w8s2r64": C(16, 64, 8, 2, prefetch=False, maxnreg=64),
+        "rp32w4r96": C(16, 32, 4, 1, reg_pipeline=True, maxnreg=96),
+        "rp64w8r96": C(16, 64, 8, 1, reg_pipeline=True, maxnreg=96),
+        "rp64w8": C(16, 64, 8, 1, reg_pipeline=True),
+    }
+
+
+e1.decode_configs = decode_configs
+e1.SPLIT_SWEEP_CONFIGS = ("base", "n64w4s2r80", "n128w8s2r80", "n32w4s2r64", "rp32w4r96")
+e1.SPLIT_SWEEP = (3,) if e1.TINY else (24, 48, 66, 99)
+
+
+def combine_section():
+    """The second launch of an unfused split: the combine kernel alone at B=1, 32 heads."""
+    from ioattn.bench import harness
+    from ioattn.kernels.combine import combine_splits_kernel
+    for splits in (16, 33, 66, 99):
+        po = torch.randn(splits, 1, 32, 128, device=e1.DEV)
+        pl = torch.randn(splits, 1, 32, device=e1.DEV)
+        out = torch.empty(1, 32, 128, dtype=e1.BF16, device=e1.DEV)
+        lse = torch.empty(1, 32, device=e1.DEV)
+
+        def run():
+            combine_splits_kernel[(1, 32)](po, pl, out, lse, splits, po.stride(0), po.stride(1), po.stride(2),
+                                          pl.stride(0), pl.stride(1), pl.stride(2), out.stride(0), out.stride(1),
+                                          lse.stride(0), lse.stride(1), HEAD_DIM=128, BLOCK_D=128,
+                                          BLOCK_S=1 << (splits - 1).bit_length())
+        ms, how = e1.timed(run)
+        e1.RESULTS.setdefault("combine", []).append({"splits": splits, "us": ms * 1e3, "how": how})
+        save()
+
+
+def prefill_configs():
+    return {
+        "m128n64w8s2": C(128, 64, 8, 2, prefetch=False),
+        "m128n128w8s2": C(128, 128, 8, 2),
+        "m128n64w8s2r128": C(128, 64, 8, 2, prefetch=False, maxnreg=128),
+        "m128n128w8s2r128": C(128, 128, 8, 2, maxnreg=128),
+        "m128n64w8s3r128": C(128, 64, 8, 3, maxnreg=128),
+        "m64n64w4s2r168": C(64, 64, 4, 2, maxnreg=168),
+        "m256n64w8s2": C(256, 64, 8, 2, prefetch=False),
+        "m128n64w4s2r255": C(128, 64, 4, 2, prefetch=False, maxnreg=255),
+    }
+
+
+def fwd_cases():
+    from ioattn.kernels.prefill_fwd import FwdConfig as F
+    if e1.TINY:
+        return [(64, 128, c, [F(32, 32, 4, 1, tma=False)]) for c in (False, True)]
+    return [
+        (64, 2048, False, [F(128, 128, 4, 3), F(128, 64, 4, 3, tma=False), F(128, 64, 4, 4, tma=False),
+                           F(128, 128, 4, 4, tma=False), F(128, 64, 8, 3, tma=False), F(64, 64, 4, 3, tma=False),
+                           F(64, 128, 4, 3, tma=False), F(128, 64, 4, 3), F(128, 32, 4, 3, tma=False)]),
+        (64, 2048, True, [F(64, 64, 4, 2), F(64, 64, 4, 3, tma=False), F(64, 64, 4, 4, tma=False),
+                          F(128, 64, 4, 3, tma=False), F(64, 64, 4, 3), F(64, 32, 4, 3, tma=False),
+                          F(128, 64, 8, 3, tma=False)]),
+        (64, 4096, False, [F(128, 128, 4, 3), F(128, 64, 4, 3, tma=False)]),
+        (64, 4096, True, [F(64, 128, 4, 2), F(64, 64, 4, 3, tma=False), F(128, 64, 4, 3, tma=False)]),
+    ]
+
+
+def bwd_configs():
+    from ioattn.kernels.prefill_bwd import BwdConfig as B
+    return {64: [B(64, 64, 64, 64, 4, 3, False), B(64, 64, 64, 64, 4, 4, False), B(128, 64, 128, 64, 8, 3, False),
+                 B(128, 64, 128, 64, 8, 4, False)],
+            128: [B(128, 64, 128, 64, 8, 3, False), B(128, 64, 128, 64, 8, 4, False), B(64, 64, 64, 64, 8, 4, False)]}
+
+
+def bwd_section():
+    """Like explore1's: exactness at 1024 tokens, timing at B·N = 16k."""
+    from ioattn.bench import harness
+    from ioattn.kernels.prefill_bwd import attention_bwd
+    from ioattn.ops.attention import flash_attn_func
+    from ioattn.reference import attention_ref, rel_error
+    shapes = [(64, 128, False)] if e1.TINY else [(64, 16384, False), (64, 16384, True), (64, 2048, False),
+                                                  (128, 2048, False), (128, 2048, True), (128, 4096, True)]
+    for d, n, causal in shapes:
+        heads = 2 if e1.TINY else 2048 // d
+        batch = 1 if e1.TINY else 16384 // n
+        configs = bwd_configs()[d] if not e1.TINY else bwd_configs()[64][:1]
+        for cfg in configs:
+            try:
+                torch.manual_seed(d + n + causal)
+                small = 128 if e1.TINY else 1024
+                q, k, v, do = (torch.randn(1, small, heads, d, dtype=e1.BF16, device=e1.DEV) for _ in range(4))
+                o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                refs = [t.double().requires_grad_() for t in (q, k, v)]
+                attention_ref(*refs, causal=causal, differentiable=True)[0].backward(do.double())
+                dq, dk, dv, _ = attention_bwd(do, q, k, v, o, lse, scale=d ** -0.5, causal=causal, config=cfg)
+                errs = [rel_error(g, r.grad) for g, r in zip((dq, dk, dv), refs)]
+                entry = {"D": d, "N": n, "causal": causal, "variant": str(cfg), "errors": errs}
+                if max(errs) < 1e-2:
+                    q, k, v, do = (torch.randn(batch, n, heads, d, dtype=e1.BF16, device=e1.DEV) for _ in range(4))
+                    o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                    flops = 2.5 * harness.attention_flops(batch, heads, n, n, d, causal=causal)
+
+                    def run(cfg=cfg, q=q, k=k, v=v, do=do, o=o, lse=lse):
+                        return attention_bwd(do, q, k, v, o, lse, scale=d ** -0.5, causal=causal, config=cfg)
+                    ms = harness.time_ms(run, e1.DEV, warmup_ms=10, rep_ms=60).ms
+                    entry.update(ms=ms, tflops=harness.tflops(flops, ms))
+                e1.RESULTS["bwd"].append(entry)
+                save()
+            except Exception as exc:  # noqa: BLE001
+                e1.record_error("bwd", (d, n, causal, str(cfg)), exc)
+            e1.sync()
+
+
+if __name__ == "__main__":
+    sections = sys.argv[1:] or ["decode", "combine", "prefill", "fwd", "bwd"]
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "exp/explore2.py " + " ".join(sections))
+    e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(e1.DEV, [e1.BF16])
+    save()
+    table = {"decode": e1.decode_section, "combine": combine_section, "prefill": None, "fwd": None, "bwd": bwd_section}
+    for section in sections:
+        t = time.time()
+        try:
+            if section == "prefill":
+                e1.prefill_section(configs=prefill_configs())
+            elif section == "fwd":
+                e1.fwd_section(cases=fwd_cases())
+            else:
+                table[section]()
+        except Exception as exc:  # noqa: BLE001
+            e1.record_error(section, "section", exc)
+        e1.RESULTS[f"{section}_seconds"] = time.time() - t
+        save()
+    print({k: round(v) for k, v in e1.RESULTS.items() if k.endswith("_seconds")})
