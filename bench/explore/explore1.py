@@ -27,6 +27,7 @@ from ioattn.reference import attention_ref, rel_error
 OUT = os.environ.get("OUT", "/tmp/out")
 os.makedirs(OUT, exist_ok=True)
 RESULTS: dict = {"started": time.time(), "decode": [], "prefill": [], "fwd": [], "bwd": [], "errors": []}
+WITH_FLEX = False  # FlexAttention beside the forward variants (explore5)
 TINY = not torch.cuda.is_available()  # a CPU dry run of the script's logic, at toy shapes
 BF16 = torch.float16 if TINY else torch.bfloat16
 DEV = "cpu" if TINY else "cuda"
@@ -264,6 +265,16 @@ def fwd_section(cases=None):
             ms, _ = timed(flash, 10, 60)
             RESULTS["fwd"].append({"D": d, "N": n, "causal": causal, "variant": "torch-flash", "ms": ms,
                                    "tflops": harness.tflops(flops, ms)})
+            if WITH_FLEX:
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                torch._dynamo.reset()
+                compiled = torch.compile(flex_attention, dynamic=False)
+                block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n) \
+                    if causal else None
+                qc, kc, vc = (t.contiguous() for t in (qt, kt, vt))  # Flex's preferred layout, as in the bench
+                ms, _ = timed(lambda: compiled(qc, kc, vc, block_mask=block_mask), 10, 60)
+                RESULTS["fwd"].append({"D": d, "N": n, "causal": causal, "variant": "flex", "ms": ms,
+                                       "tflops": harness.tflops(flops, ms)})
         except Exception as exc:  # noqa: BLE001
             record_error("fwd-peer", (d, n, causal), exc)
         for cfg in configs:

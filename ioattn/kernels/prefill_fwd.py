@@ -39,10 +39,12 @@ class FwdConfig:
     num_stages: int
     loop_stages: int | None = None  # tl.range(num_stages=...) of the K/V loops; None keeps the launch default
     tma: bool = True  # tiles move through device-side tensor descriptors; False: pointer loads (cp.async)
+    maxnreg: int | None = None  # register cap per thread: one more resident program per SM where it fits
 
     def __str__(self) -> str:
         extra = "" if self.loop_stages is None else f" loop_stages={self.loop_stages}"
         extra += "" if self.tma else " loads=pointers"
+        extra += "" if self.maxnreg is None else f" maxnreg={self.maxnreg}"
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} "
                 f"num_stages={self.num_stages}{extra}")
 
@@ -360,5 +362,5 @@ def launch_prefill_fwd(
         LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
         INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
         SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        num_stages=config.num_stages, maxnreg=config.maxnreg,
     )

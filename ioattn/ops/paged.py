@@ -63,10 +63,11 @@ def default_config(*, decode: bool, head_dim: int, dtype: torch.dtype = torch.bf
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
     if decode:
-        # H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json): 64-key tiles, 4 warps,
-        # 2 stages read 4.21 TB/s at B=64 L=4k and 4.05 at B=256 L=1k; 128-key tiles, 8 warps or register caps
-        # were no better anywhere
-        return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+        # H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json, -explore4): 64-key tiles,
+        # 4 warps, 2 stages, capped at 128 registers (4 programs per SM; uncapped this build takes 165 and fits
+        # 3) read 4.13 TB/s at B=64 L=4k against 3.22 uncapped; 128-key tiles or 8 warps were no better anywhere
+        return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
+                           maxnreg=128)
     if head_dim <= 128:
         # chunked prefill (4k new tokens on a 4k context, page 16): capping 8 warps at 128 registers fits two
         # programs per SM, 505 TFLOP/s against 416 uncapped (bench/results/2026-12-01-explore2-h200.json); the
@@ -99,10 +100,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(programs: int, max_context: int, sm_count: int) -> int:
-    """The num_splits=0 heuristic (see the constants above)."""
+    """The num_splits=0 heuristic (see the constants above). Rounds down: programs of equal length that spill
+    into a second wave leave the GPU mostly idle for it (B=8 L=32k: 4.09 TB/s at 8 splits, 3.5 at 9)."""
     if programs >= sm_count:
         return 1
-    wanted = cdiv(PROGRAMS_PER_SM * sm_count, programs)
+    wanted = PROGRAMS_PER_SM * sm_count // programs
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 

@@ -108,8 +108,8 @@ def test_split_heuristic():
     assert choose_num_splits(programs=64 * 8, max_context=8192, sm_count=h200_sms) == 1
     # B = 1, 8 KV heads, 32k context: split towards four programs per SM, capped at 512 keys per split (64).
     assert choose_num_splits(programs=8, max_context=32768, sm_count=h200_sms) == 64
-    # B = 8, 8 KV heads, 32k context: four programs per SM (9 splits of ~3.6k keys).
-    assert choose_num_splits(programs=64, max_context=32768, sm_count=h200_sms) == 9
+    # B = 8, 8 KV heads, 32k context: at most four programs per SM, one wave (8 splits of 4k keys).
+    assert choose_num_splits(programs=64, max_context=32768, sm_count=h200_sms) == 8
     # Short context: at least MIN_KEYS_PER_SPLIT keys per split.
     assert choose_num_splits(programs=8, max_context=1024, sm_count=h200_sms) == 2
     assert choose_num_splits(programs=1, max_context=1 << 20, sm_count=h200_sms) == MAX_SPLITS
