@@ -43,6 +43,11 @@ Decisions, and why:
   tokens and the last `window_tokens`, and marks their table entries `EVICTED` (-1): logical positions stay
   (RoPE positions and the table's indexing do not move), `slot_mapping` over them raises, and the paged
   kernel, given the same sinks and window, never reads them.
+- **Placeholder tokens (asynchronous scheduling).** An engine that schedules step t+1 before step t's sampled
+  tokens reach the host reserves each such token's slot with `append(seq_id, [PLACEHOLDER])` and hands the
+  value over with `fill` once it has arrived. Only the value is unknown: slots, copy-on-write and block counts
+  are exact. Everything keyed on token values refuses a placeholder loudly: `mark_computed` over a block
+  holding one, and `allocate` of a prompt holding one, raise ValueError.
 - **Export and import of computed prefixes (disaggregated prefill/decode).** `export_prefix` names the cached
   blocks a prompt would hit, with their digests; another manager's `import_prefix` checks each digest against
   the prompt's tokens, registers fresh blocks under those keys and returns the (shipped index, block) writes
@@ -63,6 +68,8 @@ from ioattn.kv.invariants import check
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key, check_extra_key
 from ioattn.kv.stats import KVStats, collect
 
+# A reserved token whose value is not known yet (see `append` and `fill`); never a real token id.
+PLACEHOLDER = -1
 
 
 @dataclass(eq=False)
@@ -168,6 +175,8 @@ class KVCacheManager:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("token_ids must hold at least one token")
+        if PLACEHOLDER in tokens:
+            raise ValueError("token_ids holds a PLACEHOLDER: a prompt's prefix hits need every token's value")
         needed = cdiv(len(tokens), self.block_size)
         if needed > self.num_blocks - self.watermark_blocks:
             raise ValueError(
@@ -194,7 +203,8 @@ class KVCacheManager:
         """Reserve slots for new tokens; the copy-on-write (src, dst) pairs to copy first, or None.
 
         The runner copies each src block to dst before the step writes the new tokens' KV; the engine then
-        calls mark_computed. None when the pool (watermark reserve included) has too few blocks; state unchanged.
+        calls mark_computed. A token may be PLACEHOLDER (its value arrives later through `fill`). None when the
+        pool (watermark reserve included) has too few blocks; state unchanged.
         """
         seq = self._on_gpu(seq_id, "append")
         new_tokens = list(token_ids)
@@ -216,6 +226,15 @@ class KVCacheManager:
         seq.token_ids.extend(new_tokens)
         return copies
 
+    def fill(self, seq_id: Hashable, position: int, token_id: int) -> None:
+        """The value of the PLACEHOLDER reserved at `position` has arrived (on the GPU or swapped out)."""
+        seq = self._get(seq_id)
+        if not (isinstance(position, int) and 0 <= position < seq.num_tokens and seq.token_ids[position] == PLACEHOLDER):
+            raise ValueError(f"position {position!r} of seq_id {seq_id!r} does not hold a PLACEHOLDER")
+        if not (isinstance(token_id, int) and token_id >= 0):
+            raise ValueError(f"token_id must be an int >= 0, got {token_id!r}")
+        seq.token_ids[position] = token_id
+
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The KV of the sequence's first num_tokens tokens is written: its full blocks become cacheable."""
         seq = self._on_gpu(seq_id, "mark_computed")
@@ -224,11 +243,13 @@ class KVCacheManager:
                 f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}] (already computed .. "
                 f"reserved) for seq_id {seq_id!r}, got {num_tokens!r}"
             )
-        seq.num_computed = num_tokens
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
-        for i in range(len(seq.digests), num_tokens // bs):
+        hashed = range(len(seq.digests), num_tokens // bs) if self.enable_prefix_caching else range(0)
+        if hashed and PLACEHOLDER in seq.token_ids[hashed.start * bs : hashed.stop * bs]:
+            raise ValueError(f"tokens [{hashed.start * bs}, {hashed.stop * bs}) of seq_id {seq_id!r} hold a "
+                             "PLACEHOLDER: fill it before mark_computed hashes their blocks")
+        seq.num_computed = num_tokens
+        for i in hashed:
             parent = seq.digests[-1] if seq.digests else ROOT
             key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
             digest = block_digest(key)
@@ -241,6 +262,9 @@ class KVCacheManager:
         parent = self._on_gpu(parent_id, "fork")
         if child_id in self.seqs:
             raise ValueError(f"child_id {child_id!r} already exists")
+        if PLACEHOLDER in parent.token_ids:
+            # Each sharer would fill its own value into the one shared block.
+            raise ValueError(f"parent_id {parent_id!r} holds a PLACEHOLDER: fill it before fork")
         for block in parent.blocks:
             if block != EVICTED:
                 self.gpu.share(block)
