@@ -15,7 +15,9 @@ Copy-on-write and swap plans run before the forward pass, swap-outs first (a blo
 refilled by a swap-in of the same step).
 
 The step's inputs are written into persistent host buffers (`HostStaging`, pinned on CUDA) and copied to the
-device asynchronously: building a step costs the host no allocation and never waits for the GPU.
+device asynchronously: building a step costs the host no allocation and never waits for the GPU. Input tokens
+the host does not know yet (asynchronous scheduling: the previous step's samples, still on the device) come
+with a `TokenFeed` and are copied into the step's input ids on the device, after the host's copy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ioattn.engine.transfer import to_device
 from ioattn.intmath import cdiv
 from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM, dense_causal_attention
 
@@ -45,8 +48,9 @@ class HostStaging:
     Each buffer is allocated once per name and regrown only when a batch outgrows it; on CUDA it is pinned, so
     its copy is asynchronous. That makes reuse a race: a step must not overwrite a buffer whose copy of the
     previous step has not run yet. `reuse()` waits on the event recorded after the last step's copies
-    (`copies_issued()`); in the engine it has always completed, because reading a step's sampled tokens waits
-    for the whole step, but the runner does not rely on its caller for that.
+    (`copies_issued()`). A synchronous engine has read the previous step's tokens, so that event has passed;
+    one that schedules asynchronously has read the tokens of the step before, and the copies wait only for the
+    last kernels of that step to drain: they are the first work of the next one.
     """
 
     def __init__(self, device: torch.device):
@@ -105,6 +109,23 @@ class BatchEntry:
     @property
     def seq_len(self) -> int:
         return self.start + len(self.token_ids)
+
+
+@dataclass
+class TokenFeed:
+    """Input tokens still on the device: packed-batch token `rows[i]` is `source[source_rows[i]]` (the entries
+    hold a placeholder there)."""
+
+    rows: list[int]
+    source_rows: list[int]
+    source: torch.Tensor  # int64, on the runner's device
+
+    def apply(self, input_ids: torch.Tensor, staging: HostStaging) -> None:
+        staging.array("feed_rows", len(self.rows), torch.int64)[:] = self.rows
+        staging.array("feed_source_rows", len(self.rows), torch.int64)[:] = self.source_rows
+        rows = staging.upload("feed_rows", len(self.rows), torch.int64)
+        source_rows = staging.upload("feed_source_rows", len(self.rows), torch.int64)
+        input_ids.index_copy_(0, rows, self.source.index_select(0, source_rows))
 
 
 @dataclass
@@ -180,7 +201,7 @@ class ModelRunner:
         """Copy-on-write: every layer's block dst <- block src, before the step writes into dst."""
         if not copies:
             return
-        mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+        mapping = to_device(copies, torch.int64, self.device)
         if self.use_triton:
             from ioattn.ops.paged import copy_blocks
 
@@ -208,7 +229,7 @@ class ModelRunner:
     # -- the forward pass ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, entries: list[BatchEntry]) -> torch.Tensor:
+    def execute(self, entries: list[BatchEntry], feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one packed batch; float32 logits (number of sampling entries, vocab), in entry order."""
         if not entries:
             return torch.empty(0, self.config.vocab_size, device=self.device)
@@ -218,9 +239,9 @@ class ModelRunner:
         graph_size = next((s for s in self.graphs if s >= len(entries)), None) if decode else None
         self._staging.reuse()
         if graph_size is not None:
-            hidden = self._replay(graph_size, entries)
+            hidden = self._replay(graph_size, entries, feed)
         else:
-            hidden = self._eager(entries, decode)
+            hidden = self._eager(entries, decode, feed)
         if decode and all(e.sample for e in entries):
             self._staging.copies_issued()
             return self.model.compute_logits(hidden)
@@ -230,7 +251,7 @@ class ModelRunner:
         self._staging.copies_issued()
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _eager(self, entries: list[BatchEntry], decode: bool) -> torch.Tensor:
+    def _eager(self, entries: list[BatchEntry], decode: bool, feed: TokenFeed | None) -> torch.Tensor:
         staging = self._staging
         num_tokens = sum(len(e.token_ids) for e in entries)
         staging.array("input_ids", num_tokens, torch.int64)[:] = [t for e in entries for t in e.token_ids]
@@ -239,6 +260,8 @@ class ModelRunner:
         ctx = self._context(entries, decode)
         input_ids = staging.upload("input_ids", num_tokens, torch.int64)
         positions = staging.upload("positions", num_tokens, torch.int64)
+        if feed is not None:
+            feed.apply(input_ids, staging)
         return self.model(input_ids, positions, ctx)
 
     def _context(self, entries: list[BatchEntry], decode: bool) -> PagedContext:
@@ -338,7 +361,7 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
 
-    def _replay(self, size: int, entries: list[BatchEntry]) -> torch.Tensor:
+    def _replay(self, size: int, entries: list[BatchEntry], feed: TokenFeed | None) -> torch.Tensor:
         """Stage the decode rows into the graph's static inputs and replay the graph captured for `size` rows.
         Padding rows n..size get slot -1 (nothing written) and seq_len 0 (nothing read: their stale table rows
         and token ids are never used)."""
@@ -358,6 +381,8 @@ class ModelRunner:
         self._graph_lens[:size].copy_(staging.host("graph_lens", size, torch.int32), non_blocking=True)
         self._graph_tables[:n].copy_(staging.host("graph_tables", n * max_blocks, torch.int32).view(n, max_blocks),
                                      non_blocking=True)
+        if feed is not None:
+            feed.apply(self._graph_ids, staging)
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:n]
