@@ -39,16 +39,20 @@ class LLM:
         preemption_mode: str = "recompute",
         device: str | torch.device | None = None,
         tensor_parallel_size: int = 1,
+        async_scheduling: bool | None = None,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
         swap_space, watermark, enforce_eager). tensor_parallel_size > 1 runs the model on that many processes
-        (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them."""
+        (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them.
+        async_scheduling: schedule and prepare step t+1 while the device runs step t (the same outputs; see
+        `ioattn.engine.llm_engine`); None: on for a single-process CUDA engine, off on a CPU and with tensor
+        parallelism (True there raises ValueError)."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, device=device, **engine_kwargs,
+            preemption_mode=preemption_mode, device=device, async_scheduling=async_scheduling, **engine_kwargs,
         )
         if tensor_parallel_size == 1:
             self.engine = LLMEngine(model, config)
