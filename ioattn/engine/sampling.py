@@ -256,7 +256,7 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], hist
             raise ValueError("an output history ends in a token not on the host (id < 0) but pending is None")
         unread_rows = to_device(unread, torch.int64, device)
         counted = pending.index_select(0, rows.index_select(0, unread_rows))
-        output_counts.index_put_((unread_rows, counted), torch.ones(len(unread), device=device), accumulate=True)
+        output_counts.view(-1).scatter_add_(0, unread_rows * vocab + counted, torch.ones(len(unread), device=device))
     prompt_counts = _token_counts([_history(history, i)[0] for i in penalized], vocab, device)
     sub = logits[rows]
     repetition = _column([p.repetition_penalty for p in chosen], device)
@@ -280,11 +280,9 @@ def _column(values, device) -> torch.Tensor:
 def _token_counts(id_lists, vocab: int, device) -> torch.Tensor:
     """(rows, vocab) float32: how often each token occurs in each row's list (ids < 0 are not counted)."""
     counts = torch.zeros(len(id_lists), vocab, dtype=torch.float32, device=device)
-    rows = [r for r, ids in enumerate(id_lists) for t in ids if t >= 0]
-    if rows:
-        ids = to_device([t for ids in id_lists for t in ids if t >= 0], torch.int64, device)
-        counts.index_put_((to_device(rows, torch.int64, device), ids), torch.ones(len(rows), device=device),
-                          accumulate=True)
+    flat = [r * vocab + t for r, ids in enumerate(id_lists) for t in ids if t >= 0]
+    if flat:
+        counts.view(-1).scatter_add_(0, to_device(flat, torch.int64, device), torch.ones(len(flat), device=device))
     return counts
 
 

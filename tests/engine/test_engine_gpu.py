@@ -91,3 +91,31 @@ def test_async_scheduling_gives_the_synchronous_outputs(preemption_mode):
         assert [c.finish_reason for c in sync] == [c.finish_reason for c in overlapped]
         assert [c.cumulative_logprob for c in overlapped] == pytest.approx([c.cumulative_logprob for c in sync],
                                                                             rel=1e-4, abs=1e-4)
+
+
+def test_launching_an_overlapped_step_never_waits_for_the_device():
+    """White-box: with PyTorch's sync debug mode set to "error", scheduling and launching steps of decodes,
+    a forked prompt, seeded and penalized sampling and a chunked prefill raise if anything synchronizes (a
+    blocking copy, .item(), .tolist() of a device tensor); landing a step is where the host may wait."""
+    from ioattn.engine.sampling import SamplingParams
+
+    engine = make_engine(device="cuda", max_num_batched_tokens=16, async_scheduling=True)
+    for i in range(4):
+        engine.add_request(f"d{i}", prompt_token_ids=prompt(6 + i, 40 + i), params=greedy(40, logprobs=2))
+    engine.add_request("s", prompt_token_ids=prompt(9, 50),
+                       params=SamplingParams(n=2, seed=1, max_tokens=40, frequency_penalty=0.5, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.add_request("late", prompt_token_ids=prompt(30, 60), params=greedy(4))  # prefill chunks next to decodes
+    for _ in range(4):
+        plan = engine.scheduler.schedule()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = engine._launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        touched = {}
+        engine._land_in_flight(touched)
+        engine._in_flight = launched
+        engine._outputs(touched)
+    run_all(engine)
