@@ -59,6 +59,7 @@ Decisions, and why:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
@@ -70,6 +71,9 @@ from ioattn.kv.stats import KVStats, collect
 
 # A reserved token whose value is not known yet (see `append` and `fill`); never a real token id.
 PLACEHOLDER = -1
+# Block tables are int32 arrays: the runner's (and the kernels') layout, copied to it without conversion.
+TABLE_TYPECODE = "i"
+assert array(TABLE_TYPECODE).itemsize == 4
 
 
 @dataclass(eq=False)
@@ -78,7 +82,7 @@ class Sequence:
 
     seq_id: Hashable
     token_ids: list[int]
-    blocks: list[int]
+    blocks: array  # of TABLE_TYPECODE
     extra_key: Hashable
     num_computed: int
     # Chained digests of the first len(digests) full blocks whose KV is written (the prefix-cache chain).
@@ -141,8 +145,9 @@ class KVCacheManager:
         return seq
 
     def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
-        seq = self._get(seq_id)
-        if not seq.on_gpu:
+        seq = self.seqs.get(seq_id)
+        if seq is None or not seq.on_gpu:
+            self._get(seq_id)
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap_in before {action}")
         return seq
 
@@ -189,7 +194,7 @@ class KVCacheManager:
             return None
         for block in hits:
             self.gpu.share(block)
-        blocks = hits + [self.gpu.take() for _ in range(needed - len(hits))]
+        blocks = array(TABLE_TYPECODE, hits + [self.gpu.take() for _ in range(needed - len(hits))])
         cached_tokens = len(hits) * self.block_size
         self.seqs[seq_id] = Sequence(seq_id, tokens, blocks, extra_key, cached_tokens, digests)
         if is_resume:
@@ -207,29 +212,31 @@ class KVCacheManager:
         pool (watermark reserve included) has too few blocks; state unchanged.
         """
         seq = self._on_gpu(seq_id, "append")
-        new_tokens = list(token_ids)
+        new_tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
         bs = self.block_size
-        old_len = seq.num_tokens
+        old_len = len(seq.token_ids)
         fresh = cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
         last = seq.blocks[-1]
         copy_on_write = old_len % bs != 0 and bool(new_tokens) and self.gpu.ref_count[last] > 1
-        if fresh + copy_on_write > self.gpu.num_available:
-            return None
         copies = []
-        if copy_on_write:
-            copy = self.gpu.take()
-            self.gpu.release(last)
-            seq.blocks[-1] = copy
-            copies.append((last, copy))
-            self.cow_copies += 1
-        seq.blocks.extend(self.gpu.take() for _ in range(fresh))
+        if fresh or copy_on_write:  # else (most decodes) the last block has room: nothing to take
+            if fresh + copy_on_write > self.gpu.num_available:
+                return None
+            if copy_on_write:
+                copy = self.gpu.take()
+                self.gpu.release(last)
+                seq.blocks[-1] = copy
+                copies.append((last, copy))
+                self.cow_copies += 1
+            seq.blocks.extend(self.gpu.take() for _ in range(fresh))
         seq.token_ids.extend(new_tokens)
         return copies
 
     def fill(self, seq_id: Hashable, position: int, token_id: int) -> None:
         """The value of the PLACEHOLDER reserved at `position` has arrived (on the GPU or swapped out)."""
         seq = self._get(seq_id)
-        if not (isinstance(position, int) and 0 <= position < seq.num_tokens and seq.token_ids[position] == PLACEHOLDER):
+        if not (isinstance(position, int) and 0 <= position < len(seq.token_ids)
+                and seq.token_ids[position] == PLACEHOLDER):
             raise ValueError(f"position {position!r} of seq_id {seq_id!r} does not hold a PLACEHOLDER")
         if not (isinstance(token_id, int) and token_id >= 0):
             raise ValueError(f"token_id must be an int >= 0, got {token_id!r}")
@@ -238,7 +245,7 @@ class KVCacheManager:
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The KV of the sequence's first num_tokens tokens is written: its full blocks become cacheable."""
         seq = self._on_gpu(seq_id, "mark_computed")
-        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= seq.num_tokens:
+        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= len(seq.token_ids):
             raise ValueError(
                 f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}] (already computed .. "
                 f"reserved) for seq_id {seq_id!r}, got {num_tokens!r}"
@@ -269,7 +276,7 @@ class KVCacheManager:
             if block != EVICTED:
                 self.gpu.share(block)
         self.seqs[child_id] = Sequence(
-            child_id, list(parent.token_ids), list(parent.blocks), parent.extra_key, parent.num_computed,
+            child_id, list(parent.token_ids), parent.blocks[:], parent.extra_key, parent.num_computed,
             list(parent.digests),
         )
 
@@ -331,7 +338,7 @@ class KVCacheManager:
         for block in reversed(seq.blocks):
             if block != EVICTED:
                 src.release(block)
-        seq.blocks = targets
+        seq.blocks = array(TABLE_TYPECODE, targets)
         seq.on_gpu = not seq.on_gpu
         return moves
 
@@ -418,6 +425,17 @@ class KVCacheManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block; EVICTED (-1) where evict_window released it."""
         return list(self._on_gpu(seq_id, "block_table").blocks)
+
+    def block_tables(self, seq_ids: Iterable[Hashable]) -> tuple[bytes, list[int]]:
+        """A batch's block tables for the runner: every sequence's int32 table back to back, and their lengths."""
+        tables, lengths = [], []
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is None or not seq.on_gpu:
+                self._on_gpu(seq_id, "block_tables")  # raises, naming the sequence
+            tables.append(seq.blocks)
+            lengths.append(len(seq.blocks))
+        return b"".join(tables), lengths
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end)."""

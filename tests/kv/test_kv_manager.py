@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 
 import pytest
 from kv_harness import snapshot
@@ -38,6 +39,19 @@ def test_tables_and_slots():
     assert m.slot_mapping("a", 11, 13) == [11, 12]
     assert m.slot_mapping("a", 5, 5) == []
     m.check_invariants()
+
+
+def test_block_tables_of_a_batch_are_int32_back_to_back():
+    m = KVCacheManager(8, BS, num_cpu_blocks=2, watermark=0.0)
+    m.allocate("a", range(6))
+    m.allocate("b", range(3))
+    tables, lengths = m.block_tables(["b", "a"])
+    assert lengths == [1, 2] and array("i", tables).tolist() == m.block_table("b") + m.block_table("a")
+    m.swap_out("b")
+    with pytest.raises(ValueError, match="swapped out"):
+        m.block_tables(["a", "b"])
+    with pytest.raises(ValueError, match="unknown"):
+        m.block_tables(["ghost"])
 
 
 def test_prefix_hits_exact_accounting():
