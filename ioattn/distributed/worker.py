@@ -32,7 +32,7 @@ from ioattn.distributed.parallel_state import (
 )
 from ioattn.distributed.tp import load_tensor_parallel
 from ioattn.engine.llm_engine import CPU_KV_CACHE_BYTES, EngineConfig, LLMEngine
-from ioattn.engine.runner import BatchEntry, ModelRunner
+from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.models.loader import LoadedModel
 
 # Seconds shutdown() waits for a worker to leave on its own before killing it.
@@ -50,13 +50,13 @@ class StepPlan:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
-    entries: list[BatchEntry]
+    batch: Batch
 
 
 def run_plan(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     runner.swap(plan.swap_out, plan.swap_in)
     runner.copy_blocks(plan.copies)
-    return runner.execute(plan.entries)
+    return runner.execute(plan.batch)
 
 
 @dataclass(frozen=True)
@@ -224,10 +224,10 @@ class DriverRunner:
     def copy_blocks(self, copies) -> None:
         self._copies = list(copies)
 
-    def execute(self, entries: list[BatchEntry], feed=None) -> torch.Tensor:
+    def execute(self, batch: Batch, feed=None) -> torch.Tensor:
         # The workers get host token ids only; the engine never schedules asynchronously over them.
         assert feed is None, "tensor-parallel steps have no token feed"
-        plan = StepPlan(self._swap_out, self._swap_in, self._copies, list(entries))
+        plan = StepPlan(self._swap_out, self._swap_in, self._copies, batch)
         self._swap_out, self._swap_in, self._copies = [], [], []
         self.engine._guarded(broadcast_object, plan)
         return self.engine._guarded(run_plan, self.runner, plan)

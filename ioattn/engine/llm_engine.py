@@ -50,7 +50,7 @@ import torch
 
 from ioattn.engine.async_step import LaunchedStep
 from ioattn.engine.outputs import Request, request_output
-from ioattn.engine.runner import BatchEntry, ModelRunner
+from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.engine.sampling import BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker
 from ioattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
@@ -304,13 +304,8 @@ class LLMEngine:
         now = time.monotonic()
         self.runner.swap(plan.swap_out, plan.swap_in)
         self.runner.copy_blocks(plan.copies)
-        entries = [
-            BatchEntry(c.seq.token_ids[c.start : c.end], c.start, self.kv.block_table(c.seq.seq_id),
-                       self.kv.slot_mapping(c.seq.seq_id, c.start, c.end), c.samples)
-            for c in plan.chunks
-        ]
         feed = self._in_flight.feed(plan.chunks) if self._in_flight is not None else None
-        logits = self.runner.execute(entries, feed)
+        logits = self.runner.execute(self._batch(plan.chunks), feed)
         self.num_steps += 1
         for chunk in plan.chunks:
             self.scheduler.advance(chunk)
@@ -320,6 +315,14 @@ class LLMEngine:
         for seq in plan.preempted:
             self.requests[seq.request_id].metrics.num_preemptions += 1
         return self._sample(plan.chunks, logits)
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> Batch:
+        token_ids = []
+        for c in chunks:
+            token_ids += c.seq.token_ids[c.start : c.end]
+        tables, table_lens = self.kv.block_tables([c.seq.seq_id for c in chunks])
+        return Batch(token_ids, [c.start for c in chunks], [c.num_tokens for c in chunks],
+                     [c.samples for c in chunks], tables, table_lens)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
         rows, samples = [], []
