@@ -34,7 +34,10 @@ class Request:
     def finished(self) -> bool:
         if self.beam is not None:
             return self.beam.done
-        return self.forked and all(seq.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, without a generator
+            return self.params.n == 1 and seqs[0].is_finished
+        return self.forked and all(seq.is_finished for seq in seqs)
 
 
 def request_output(request: Request, finished: bool, tokenizer) -> RequestOutput:

@@ -207,21 +207,28 @@ class Sampler:
         if len(params) != num_rows or len(generators) != num_rows or (history is not None and len(history) != num_rows):
             raise ValueError(f"params, generators and history need one entry per logits row ({num_rows})")
         raw = logits.float()
+        # Rows mostly share a few parameter objects (often one): ask each object once what it needs.
+        kinds = {id(p): p for p in params}.values()
         # The raw logits stay untouched for the logprobs; only masks and penalties need a copy to edit.
-        if any(p.penalized or p.min_tokens for p in params):
+        if any(p.penalized or p.min_tokens for p in kinds):
             logits = raw.clone()
             self._mask_early_stops(logits, params, history)
             apply_penalties(logits, params, history, pending)
         else:
             logits = raw
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if all(p.greedy for p in kinds):
+            random_rows = []
+        elif not any(p.greedy for p in kinds):
+            random_rows = list(range(num_rows))
+        else:
+            random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = to_device(random_rows, torch.int64, logits.device)
             truncated = truncate(logits[rows], [params[i] for i in random_rows])
             token_ids[rows] = _draw(truncated, [generators[i] for i in random_rows])
         sampled_logprobs = raw.gather(1, token_ids[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
-        num_top = max((p.logprobs or 0 for p in params), default=0)
+        num_top = max((p.logprobs or 0 for p in kinds), default=0)
         top_logprobs = top_ids = None
         if num_top:
             top_logprobs, top_ids = torch.log_softmax(raw, dim=-1).topk(num_top, dim=-1)

@@ -66,20 +66,17 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of a sequence are computed this step."""
+    """Tokens [start, start + num_tokens) of a sequence are computed this step. `samples`: the chunk reaches the
+    sequence's last token (when it was scheduled), so its logits give the next token."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -189,9 +186,10 @@ class Scheduler:
         return out
 
     def _schedule(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        uncomputed = seq.num_uncomputed_tokens
+        num_tokens = min(uncomputed, budget)
         if num_tokens > 0:
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, num_tokens == uncomputed))
             scheduled.add(seq.seq_id)
         return num_tokens
 
