@@ -145,7 +145,8 @@ def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing
         while (added < len(work) and start + pacing.offsets[added] <= now
                and (pacing.concurrency is None or added - len(outputs) < pacing.concurrency)):
             item = work[added]
-            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature)
+            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature,
+                                    output_kind="final_only")
             arrival = start + pacing.offsets[added] if pacing.concurrency is None else now
             engine.add_request(f"bench-{added}", params=params, prompt_token_ids=item.prompt_token_ids,
                                arrival_time=arrival)

@@ -11,6 +11,7 @@ in input order. A prompt the engine refuses (empty, too long, an unknown token i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Sequence as Seq
@@ -102,11 +103,17 @@ class LLM:
 
     def _run(self, inputs: list[dict], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        final_only: dict[int, SamplingParams | BeamSearchParams] = {}
         results: dict[str, RequestOutput] = {}
         order = [f"llm-{next(self._request_counter)}" for _ in inputs]
         pending = set(order)
         for request_id, request_input, request_params in zip(order, inputs, params):
             try:
+                if isinstance(request_params, (SamplingParams, BeamSearchParams)):
+                    # Only finished outputs are returned: the engine need not build the others (as in vLLM).
+                    if id(request_params) not in final_only:
+                        final_only[id(request_params)] = dataclasses.replace(request_params, output_kind="final_only")
+                    request_params = final_only[id(request_params)]
                 engine.add_request(request_id, params=request_params, **request_input)
             except ValueError as error:
                 ids = request_input.get("prompt_token_ids")

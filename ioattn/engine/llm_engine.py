@@ -455,6 +455,8 @@ class LLMEngine:
             if finished:
                 metrics.finished_time = now
                 self._drop(request)
+            elif request.params.output_kind == "final_only":
+                continue
             outputs.append(request_output(request, finished, self.tokenizer))
         return outputs
 

@@ -31,6 +31,7 @@ from ioattn.engine.transfer import to_device
 # Temperatures below this are greedy (vLLM's threshold): dividing by them would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 def _is_int(value) -> bool:
@@ -49,7 +50,7 @@ def _require(ok: bool, name: str, allowed: str, value) -> None:
 
 @dataclass(kw_only=True)
 class _StopParams:
-    """When a sequence ends; shared by sampling and beam search."""
+    """When a sequence ends, and which outputs the engine returns; shared by sampling and beam search."""
 
     max_tokens: int | None = 16  # None: until the model's context length
     min_tokens: int = 0  # tokens generated before EOS / stop tokens / stop strings may end the output
@@ -58,6 +59,10 @@ class _StopParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's RequestOutputKind: "cumulative" (an output after every step that made progress, everything so far)
+    # or "final_only" (one output, once the request has finished: what LLM.generate reads; the engine then
+    # builds no other).
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -75,6 +80,7 @@ class _StopParams:
         self.stop, self.stop_token_ids = stop, stop_token_ids
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
 
 
 @dataclass(kw_only=True)

@@ -218,3 +218,20 @@ def test_random_workloads_give_the_outputs_of_the_synchronous_engine(seed, preem
     assert_same(requests, arrivals, loaded=model(num_layers=1), num_blocks=num_blocks, max_model_len=40,
                 max_num_batched_tokens=budget, max_num_seqs=6, preemption_mode=preemption_mode, swap_space=0.001,
                 enable_prefix_caching=prefix_caching)
+
+
+def test_final_only_outputs_are_the_last_cumulative_ones():
+    """output_kind="final_only" (what LLM.generate asks for): no output before a request finishes, then the
+    cumulative engine's final one."""
+    requests = {f"f{i}": (prompt(6 + i, 90 + i), greedy(3 + 2 * i, n=1 + i % 2, logprobs=1)) for i in range(4)}
+    expected = run(True, requests)[0]
+    engine = make_engine(model=model(), async_scheduling=True)
+    for request_id, (ids, params) in requests.items():
+        engine.add_request(request_id, prompt_token_ids=ids,
+                           params=SamplingParams(**{**vars(params), "output_kind": "final_only"}))
+    seen = [output for _ in range(100) for output in engine.step()]
+    assert all(output.finished for output in seen)
+    assert {output.request_id: completions(output) for output in seen} == expected
+    assert_all_free(engine)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
