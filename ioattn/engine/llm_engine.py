@@ -325,7 +325,7 @@ class LLMEngine:
                      [c.samples for c in chunks], tables, table_lens)
 
     def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
-        rows, samples = [], []
+        rows, samples, prompts = [], [], []
         for row, seq in enumerate(c.seq for c in chunks if c.samples):
             request = self.requests[seq.request_id]
             if request.beam is not None:
@@ -338,16 +338,17 @@ class LLMEngine:
             # An unforked prompt samples its n first tokens from one row; sample i uses generator i.
             rows.extend(row for _ in range(request.params.n))
             samples.extend((request, seq, index) for index in range(request.params.n))
+            prompts.append((request, seq))
         if not rows:
             return LaunchedStep(chunks, [], None, None, {})
-        if rows != list(range(logits.shape[0])):
+        if prompts or len(rows) != logits.shape[0]:
             logits = logits[to_device(rows, torch.int64, logits.device)]
         out = self._sample_rows(logits, samples)
         # Fork before any token lands: a sample that stops at once must not free blocks its siblings still need.
-        for request, seq, index in samples:
-            if index > 0 and len(request.seqs) == index:
-                self._fork(request, seq, index)
+        for request, seq in prompts:
             seq.width = 1
+            for index in range(1, request.params.n):
+                self._fork(request, seq, index)
         placed, placeholders = [], {}
         for row, (request, _, index) in enumerate(samples):
             seq = request.seqs[index]
