@@ -1,7 +1,7 @@
 """`ioattn bench host`: the serving engine's host work per decode step, per sequence.
 
     ioattn bench host --batch 64 256                      # this machine's device (CUDA if there is one)
-    ioattn bench host --device cpu --async-scheduling on  # the overlapping engine's host work on a CPU
+    ioattn bench host --device cpu --async-scheduling off # the synchronous engine on a CPU
 
 The model is a preset (`--model`, default `tiny`) with its layers removed: embedding, final norm and LM head, so a
 decode step is almost only host work (scheduling, the batch's layout and copies, kernel launches, sampling
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-kind", default="cumulative", choices=("cumulative", "final_only"))
     parser.add_argument("--logprobs", type=int, default=None)
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
-                        help="auto: the engine's default (on for CUDA, off on a CPU)")
+                        help="auto: the engine's default (on)")
     parser.add_argument("--json", help="write the results as JSON here")
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--no-async-scheduling", action="store_true",
-                        help="finish each engine step on the host before scheduling the next (default: overlap on CUDA)")
+                        help="finish each engine step on the host before scheduling the next (default: overlap)")
     engine.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure")

@@ -47,8 +47,7 @@ class LLM:
         swap_space, watermark, enforce_eager). tensor_parallel_size > 1 runs the model on that many processes
         (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them.
         async_scheduling: schedule and prepare step t+1 while the device runs step t (the same outputs; see
-        `ioattn.engine.llm_engine`); None: on for a single-process CUDA engine, off on a CPU and with tensor
-        parallelism (True there raises ValueError)."""
+        `ioattn.engine.llm_engine`); None: on, except with tensor parallelism (where True raises ValueError)."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,

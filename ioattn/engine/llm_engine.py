@@ -27,11 +27,13 @@ request. Only timings and batch shapes differ (frees and prefix-cache hits one s
 a sequence that stops early), and with them the device's rounding wherever its matmuls are not
 batch-invariant, exactly as it differs between two synchronous runs that batch requests differently.
 
-`async_scheduling=None` (the default) overlaps on a CUDA device and stays synchronous on a CPU, where the
-forward pass runs on the host itself and nothing could overlap. Steps run synchronously (the previous step is
-landed before scheduling, and each step lands at once) while a beam-search request is unfinished: a beam step
-forks and frees sequences from the logits of all of a request's beams, which the next schedule must see.
-`stats()["scheduling"]` says how many steps overlapped and why others did not.
+It is on by default (`async_scheduling=None` or True; False keeps every step synchronous). On a CPU device it
+is exact too but overlaps nothing: the forward pass runs on the host itself. Steps run synchronously (the step
+in flight is landed before scheduling, and each step lands at once) while a beam-search request is unfinished:
+a beam step forks and frees sequences from the logits of all of a request's beams, which the next schedule
+must see. `TensorParallelEngine` never overlaps (its workers read input tokens from the broadcast plan), nor
+does the disaggregated prefill worker (it would ship each prompt a step later). `stats()["scheduling"]` says
+how many steps overlapped, why the others did not, and how many tokens were computed in vain.
 
 Bad input (an empty or too-long prompt, an unknown token id, a duplicate request id, invalid sampling values)
 raises ValueError from `add_request` for that request only; the engine's state is unchanged and it keeps
@@ -82,7 +84,8 @@ class EngineConfig:
     swap_space: float = 4.0  # GiB of CPU blocks for preemption_mode="swap"
     watermark: float = 0.01
     enforce_eager: bool = False  # True: no CUDA graphs
-    # Schedule step t+1 while step t runs (see the module docstring); None: on a CUDA device, off on a CPU.
+    # Schedule step t+1 while step t runs (see the module docstring); None: on (True and None differ only in
+    # engines that cannot overlap: tensor parallelism refuses True).
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # "triton" paged kernels (CUDA default), "torch" exact path (CPU default)
     device: str | torch.device | None = None
@@ -142,7 +145,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
         )
         self.sampler = Sampler(self.eos_token_ids)
-        self.async_scheduling = device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        self.async_scheduling = config.async_scheduling is not False
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -477,13 +480,12 @@ class LLMEngine:
         """Whether steps overlap the device (asynchronous scheduling), how many did, why the others did not, and
         the tokens computed in vain (scheduled for a sequence whose stopping token had not landed yet)."""
         if not self.async_scheduling:
-            why = ("async_scheduling=False" if self.config.async_scheduling is False
-                   else f"off by default on a {self.runner.device.type} device (nothing to overlap)")
+            why = "async_scheduling=False (always with tensor parallelism, and in a disaggregated prefill worker)"
         elif self._num_beam_requests:
             why = "synchronous while a beam-search request is unfinished"
         else:
             why = "overlapping"
         return {"async_scheduling": self.async_scheduling, "overlapped_steps": self.num_overlapped_steps,
                 "synchronous_steps": self.num_steps - self.num_overlapped_steps,
-                "discarded_tokens": self.num_discarded_tokens, "now": why}
+                "discarded_tokens": self.num_discarded_tokens, "status": why}
 

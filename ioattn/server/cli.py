@@ -29,7 +29,7 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     serve.add_argument("--no-async-scheduling", action="store_true",
-                       help="finish each step on the host before scheduling the next (default: overlap on CUDA)")
+                       help="finish each step on the host before scheduling the next (default: overlap)")
     serve.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                        help="run the model on this many processes (GPUs), Megatron-style tensor parallelism")
     serve.add_argument("--log-level", default="info")

@@ -169,13 +169,13 @@ def test_beam_search_runs_synchronously_and_the_others_overlap_again():
     _, _, overlapped = assert_same(requests, {"beam": 2}, num_blocks=40, max_num_batched_tokens=16)
     scheduling = overlapped.stats()["scheduling"]
     assert scheduling["overlapped_steps"] > 0 and scheduling["synchronous_steps"] > 0
-    assert scheduling["now"] == "overlapping"
+    assert scheduling["status"] == "overlapping"
 
 
-def test_async_scheduling_is_an_option_off_by_default_on_a_cpu():
-    engine = make_engine(model=model(num_layers=1))
-    assert not engine.async_scheduling and "cpu" in engine.stats()["scheduling"]["now"]
-    assert make_engine(model=model(num_layers=1), async_scheduling=True).async_scheduling
+def test_async_scheduling_is_an_option_on_by_default():
+    assert make_engine(model=model(num_layers=1)).async_scheduling
+    engine = make_engine(model=model(num_layers=1), async_scheduling=False)
+    assert not engine.async_scheduling and "async_scheduling=False" in engine.stats()["scheduling"]["status"]
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
     from ioattn.distributed.worker import TensorParallelEngine
