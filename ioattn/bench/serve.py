@@ -210,6 +210,8 @@ def _engine_flags(args) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.tp != [1]:
         flags += ["--tp", str(args.tp[0])]
+    if getattr(args, "no_async_scheduling", False):
+        flags.append("--no-async-scheduling")
     return flags
 
 
@@ -290,7 +292,7 @@ def run(args) -> dict:
 SUMMARY_KEYS = ("completed", "failed", "duration_s", "requests_per_s", "output_tokens_per_s", "ttft_ms_p50",
                 "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "latency_ms_p99")
 ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "steps",
-               "shipped_blocks", "first_token_agreement")
+               "overlapped_steps", "shipped_blocks", "first_token_agreement")
 
 
 def to_markdown(result: dict) -> str:
@@ -309,7 +311,9 @@ def to_markdown(result: dict) -> str:
     step = result.get("decode_step")
     if step:
         text += (f"\n\nbatch-{step['batch']} decode step at mean context {step['context_mean']:.0f}: "
-                 f"{fmt(step['step_ms_median'])} ms (median of {step['steps_timed']} engine steps); bound "
+                 f"{fmt(step['step_ms'])} ms (period over {step['steps_timed']} consecutive engine steps, "
+                 f"{step['overlapped_steps']} of them overlapped; median step() call {fmt(step['step_ms_median'])} "
+                 f"ms); bound "
                  f"{fmt(step['bound_ms'])} ms = {step['bound_note']}; weights {step['weight_bytes'] / 1e9:.3g} GB, "
                  f"KV {step['kv_bytes'] / 1e9:.3g} GB; step / bound: {fmt(step['step_over_bound'])} (bar: <= 1.5)")
         if step["preempted"]:
@@ -384,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--no-async-scheduling", action="store_true",
+                        help="finish each engine step on the host before scheduling the next (default: overlap)")
     engine.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server")
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure")

@@ -25,10 +25,11 @@ continuous batching; the max-length reservations of running sequences for static
 peak share of the whole pool in use.
 
 Roofline (`--decode-batch B`, default 64): on the continuous engine, B requests whose prompts have the workload's
-mean context (mean prompt length + half the mean output length) are prefilled, then engine steps with those B
-decodes running are timed (wall clock around `step()`, which waits for the sampled tokens). The bound of such a
-step is (weight bytes read + KV bytes read) / the device-copy bandwidth measured in this run; on a CPU: n/a.
-Under tensor parallelism the bytes are rank 0's shard (every rank reads its own share at once).
+mean context (mean prompt length + half the mean output length) are prefilled, then DECODE_STEPS consecutive
+engine steps with those B decodes running are timed as the engine runs them, the device synchronized only before
+the first and after the last: the step period is the total over the steps (see `time_decode_step`). The bound
+of such a step is (weight bytes read + KV bytes read) / the device-copy bandwidth measured in this run; on a
+CPU: n/a. Under tensor parallelism the bytes are rank 0's shard (every rank reads its own share at once).
 
 Beyond one process (`--tp 1,2`, `--disagg`): the workload is paced as the server run is (`Pacing`: Poisson
 arrivals at `--request-rate`, or at most `--concurrency` unfinished, else all at once); a request's TTFT counts
@@ -74,7 +75,12 @@ def _llm(args, scheduling: str, tensor_parallel_size: int, enforce_eager: bool =
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                device=args.device, scheduling=scheduling, tensor_parallel_size=tensor_parallel_size,
-               enforce_eager=enforce_eager)
+               enforce_eager=enforce_eager, async_scheduling=_async_scheduling(args))
+
+
+def _async_scheduling(args) -> bool | None:
+    """--no-async-scheduling: False; else the engine's default (on for a single-process CUDA engine)."""
+    return False if getattr(args, "no_async_scheduling", False) else None
 
 
 def _release_device() -> None:
@@ -126,6 +132,7 @@ def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing
 
     before = engine.kv.stats()
     preemptions_before = engine.scheduler.num_preemptions
+    overlapped_before = engine.num_overlapped_steps
     static = engine.scheduler_config.mode == "static"
     reserved_slots_per_seq = ceil(engine.max_model_len / engine.kv.block_size) * engine.kv.block_size
     pool_slots = engine.kv.num_blocks * engine.kv.block_size
@@ -138,7 +145,8 @@ def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing
         while (added < len(work) and start + pacing.offsets[added] <= now
                and (pacing.concurrency is None or added - len(outputs) < pacing.concurrency)):
             item = work[added]
-            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature)
+            params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=temperature,
+                                    output_kind="final_only")
             arrival = start + pacing.offsets[added] if pacing.concurrency is None else now
             engine.add_request(f"bench-{added}", params=params, prompt_token_ids=item.prompt_token_ids,
                                arrival_time=arrival)
@@ -173,6 +181,7 @@ def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing
         "kv_pool_usage_peak": max(pool_usage, default=0.0),
         "kv_pool_tokens": pool_slots,
         "steps": len(pool_usage),
+        "overlapped_steps": engine.num_overlapped_steps - overlapped_before,
         "first_tokens": [_first(outputs[f"bench-{i}"].outputs[0].token_ids) if outputs[f"bench-{i}"].outputs
                          else None for i in range(len(work))],
     }
@@ -192,7 +201,15 @@ def mean_context(work: list[WorkItem]) -> int:
 
 
 def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
-    """Median wall time of an engine step with `batch` decodes running at about the workload's mean context.
+    """The steady-state period of engine steps with `batch` decodes running at about the workload's mean context.
+
+    Timed: DECODE_STEPS consecutive `step()` calls (after as many untimed ones), the device synchronized once
+    before the first call and once after the last, never in between: an asynchronously scheduled engine queues
+    step t+1 before it finishes step t on the host, and a synchronization around each step would hide that
+    overlap (for a synchronous engine both ways time the same). `step_ms` is that total over DECODE_STEPS: the
+    period at which the engine completes decode steps. `step_ms_median` is the median wall time of one `step()`
+    call in that run (from its start to its return, no synchronization); in the steady state the two agree, and
+    `step_over_bound` uses the period.
 
     Prompts are shorter than that context by the tokens generated before mid-measurement, so the timed steps
     straddle it. The requests never stop by themselves (they are aborted after the timing), so the batch cannot
@@ -227,15 +244,18 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
         step()
     start_mean = statistics.fmean(generated.values())
     cuda = engine.runner.device.type == "cuda"
+    overlapped_before = engine.num_overlapped_steps
     times = []
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     for _ in range(DECODE_STEPS):
-        if cuda:
-            torch.cuda.synchronize()
         t = time.perf_counter()
         step()
-        if cuda:
-            torch.cuda.synchronize()
         times.append((time.perf_counter() - t) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    period_ms = (time.perf_counter() - start) * 1e3 / DECODE_STEPS
     measured_context = prompt_len + (start_mean + statistics.fmean(generated.values())) / 2
     for request_id in ids:
         engine.abort_request(request_id)
@@ -246,9 +266,10 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
         rows = model.model.embed_tokens.weight.shape[0]  # this rank's share under tensor parallelism
         weight_bytes -= (rows - min(batch, rows)) * model.config.hidden_size * dtype.itemsize
     kv_bytes = round(batch * measured_context * ModelRunner.block_bytes(model.config, 1, dtype))
-    return {"batch": batch, "context_mean": measured_context, "step_ms_median": statistics.median(times),
-            "steps_timed": len(times), "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
-            "preempted": engine.scheduler.num_preemptions != preemptions_before}
+    return {"batch": batch, "context_mean": measured_context, "step_ms": period_ms,
+            "step_ms_median": statistics.median(times), "steps_timed": len(times),
+            "overlapped_steps": engine.num_overlapped_steps - overlapped_before, "weight_bytes": weight_bytes,
+            "kv_bytes": kv_bytes, "preempted": engine.scheduler.num_preemptions != preemptions_before}
 
 
 def add_roofline(decode_step: dict, copy_tbps: float | None) -> None:
@@ -257,7 +278,7 @@ def add_roofline(decode_step: dict, copy_tbps: float | None) -> None:
         decode_step.update(bound_ms=None, step_over_bound=None, bound_note="n/a: no device-copy bandwidth on a CPU")
         return
     bound_ms = (decode_step["weight_bytes"] + decode_step["kv_bytes"]) / (copy_tbps * 1e12) * 1e3
-    decode_step.update(bound_ms=bound_ms, step_over_bound=decode_step["step_ms_median"] / bound_ms,
+    decode_step.update(bound_ms=bound_ms, step_over_bound=decode_step["step_ms"] / bound_ms,
                        bound_note=f"(weight + KV bytes) / {copy_tbps:.3g} TB/s device copy measured in this run")
 
 
@@ -440,7 +461,7 @@ def run_disaggregated(work: list[WorkItem], args) -> dict:
 
     config = EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                          device=args.device)
+                          device=args.device, async_scheduling=_async_scheduling(args))
     warmup, pacing = warmup_workload(work, args.seed), Pacing.from_args(work, args)
     systems = {}
     engine = LLMEngine(args.model, config)

@@ -47,7 +47,8 @@ POLL_S = 0.001
 def _prefill_main(port: int, model: str, config: EngineConfig, device_type: str, timeout_s: float, conn) -> None:
     state = init_distributed(PREFILL_RANK, 2, port, device_type, timeout_s)
     try:
-        engine = LLMEngine(model, dataclasses.replace(config, device=state.device))
+        # Synchronous: overlapping would only ship each prompt one (long) prefill step later.
+        engine = LLMEngine(model, dataclasses.replace(config, device=state.device, async_scheduling=False))
         _serve_prefills(engine, conn)
     finally:
         destroy_distributed()

@@ -32,7 +32,7 @@ from ioattn.distributed.parallel_state import (
 )
 from ioattn.distributed.tp import load_tensor_parallel
 from ioattn.engine.llm_engine import CPU_KV_CACHE_BYTES, EngineConfig, LLMEngine
-from ioattn.engine.runner import BatchEntry, ModelRunner
+from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.models.loader import LoadedModel
 
 # Seconds shutdown() waits for a worker to leave on its own before killing it.
@@ -50,13 +50,13 @@ class StepPlan:
     swap_out: list[tuple[int, int]]
     swap_in: list[tuple[int, int]]
     copies: list[tuple[int, int]]
-    entries: list[BatchEntry]
+    batch: Batch
 
 
 def run_plan(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
     runner.swap(plan.swap_out, plan.swap_in)
     runner.copy_blocks(plan.copies)
-    return runner.execute(plan.entries)
+    return runner.execute(plan.batch)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,8 @@ class TensorParallelEngine(LLMEngine):
 
     model: a checkpoint folder or a preset name (each rank loads its own shard; a `LoadedModel` cannot be split
     across processes). timeout_s bounds every collective, hence how long a dead worker can go unnoticed.
-    CUDA graphs are not captured (the forward pass holds collectives); steps run eagerly.
+    CUDA graphs are not captured (the forward pass holds collectives); steps run eagerly and synchronously
+    (no asynchronous scheduling: every rank reads its input tokens from the broadcast plan).
     """
 
     def __init__(self, model: str | os.PathLike = "tiny", config: EngineConfig | None = None, *,
@@ -117,6 +118,9 @@ class TensorParallelEngine(LLMEngine):
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         config = config or EngineConfig(**kwargs)
+        if config.async_scheduling:
+            raise ValueError("async_scheduling=True is not supported with tensor parallelism: the workers take "
+                             "their input tokens from the host's step plan (leave it None or set False)")
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and torch.cuda.device_count() < tensor_parallel_size:
             raise ValueError(f"tensor_parallel_size ({tensor_parallel_size}) exceeds the {torch.cuda.device_count()} "
@@ -140,7 +144,7 @@ class TensorParallelEngine(LLMEngine):
             max_model_len = config.max_model_len or loaded.max_model_len
             num_blocks = self._guarded(kv_pool_blocks, loaded, config, max_model_len)
             super().__init__(loaded, dataclasses.replace(config, num_blocks=num_blocks, enforce_eager=True,
-                                                         device=state.device))
+                                                         async_scheduling=False, device=state.device))
             self._guarded(broadcast_object, dict(
                 num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
                 num_cpu_blocks=self.kv.cpu.num_blocks, max_num_seqs=config.max_num_seqs, use_cuda_graphs=False,
@@ -220,8 +224,10 @@ class DriverRunner:
     def copy_blocks(self, copies) -> None:
         self._copies = list(copies)
 
-    def execute(self, entries: list[BatchEntry]) -> torch.Tensor:
-        plan = StepPlan(self._swap_out, self._swap_in, self._copies, list(entries))
+    def execute(self, batch: Batch, feed=None) -> torch.Tensor:
+        # The workers get host token ids only; the engine never schedules asynchronously over them.
+        assert feed is None, "tensor-parallel steps have no token feed"
+        plan = StepPlan(self._swap_out, self._swap_in, self._copies, batch)
         self._swap_out, self._swap_in, self._copies = [], [], []
         self.engine._guarded(broadcast_object, plan)
         return self.engine._guarded(run_plan, self.runner, plan)

@@ -11,6 +11,7 @@ in input order. A prompt the engine refuses (empty, too long, an unknown token i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Sequence as Seq
@@ -39,16 +40,19 @@ class LLM:
         preemption_mode: str = "recompute",
         device: str | torch.device | None = None,
         tensor_parallel_size: int = 1,
+        async_scheduling: bool | None = None,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
         swap_space, watermark, enforce_eager). tensor_parallel_size > 1 runs the model on that many processes
-        (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them."""
+        (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them.
+        async_scheduling: schedule and prepare step t+1 while the device runs step t (the same outputs; see
+        `ioattn.engine.llm_engine`); None: on, except with tensor parallelism (where True raises ValueError)."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, device=device, **engine_kwargs,
+            preemption_mode=preemption_mode, device=device, async_scheduling=async_scheduling, **engine_kwargs,
         )
         if tensor_parallel_size == 1:
             self.engine = LLMEngine(model, config)
@@ -98,11 +102,17 @@ class LLM:
 
     def _run(self, inputs: list[dict], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        final_only: dict[int, SamplingParams | BeamSearchParams] = {}
         results: dict[str, RequestOutput] = {}
         order = [f"llm-{next(self._request_counter)}" for _ in inputs]
         pending = set(order)
         for request_id, request_input, request_params in zip(order, inputs, params):
             try:
+                if isinstance(request_params, (SamplingParams, BeamSearchParams)):
+                    # Only finished outputs are returned: the engine need not build the others (as in vLLM).
+                    if id(request_params) not in final_only:
+                        final_only[id(request_params)] = dataclasses.replace(request_params, output_kind="final_only")
+                    request_params = final_only[id(request_params)]
                 engine.add_request(request_id, params=request_params, **request_input)
             except ValueError as error:
                 ids = request_input.get("prompt_token_ids")

@@ -1,9 +1,39 @@
 """`LLMEngine`: requests in, one scheduled step at a time, `RequestOutput`s out (vLLM's engine API).
 
 Each `step()` asks the scheduler for a batch, has the runner execute its memory plans (swap-out, swap-in,
-copy-on-write) and forward pass, marks the computed KV, samples one token for every sequence whose chunk
-reached its end, applies the stop rules and frees finished sequences' blocks at once. A request with `n > 1`
-runs its prompt once: the first step that samples forks it into n sequences sharing the prompt's blocks.
+copy-on-write) and forward pass, samples one token for every sequence whose chunk reached its end, then lands
+the sampled tokens on the host: marks the computed KV, applies the stop rules and frees finished sequences'
+blocks. A request with `n > 1` runs its prompt once: the first step that samples forks it into n sequences
+sharing the prompt's blocks.
+
+**Asynchronous scheduling** (`async_scheduling`, one step of lookahead). A step is launched, then the
+previous step is landed while the device runs it, and `step()` returns that previous step's outputs: the
+host's stop checks, detokenization, output building and the next schedule overlap the device's work instead of
+idling it. Step t+1 is scheduled before step t's tokens reach the host, so:
+
+- a token sampled at step t is a `PLACEHOLDER` in its sequence (and, once step t+1 reserved its slot, in the KV
+  manager) until step t lands; step t+1 reads its value from step t's sampled-token tensor on the device
+  (a `TokenFeed`), and penalties count it from there. The samples reach the host through one pinned copy with
+  an event, read one step later;
+- whatever is keyed on token values waits for them: a chunk's full blocks enter the prefix cache when its step
+  lands (`Scheduler.commit`), so a prompt admitted at step t+1 cannot hit blocks step t filled;
+- a sequence found finished when step t lands was scheduled once more in step t+1: that extra token is
+  discarded when step t+1 lands, and its blocks are freed when step t lands, one step later than the
+  synchronous engine frees them (every later use of them is queued on the device behind step t+1). A sequence
+  whose in-flight token is its last by max_tokens or the context length is not scheduled again at all.
+
+Outputs are those of the synchronous engine: the same tokens, text, logprobs and finish reasons for every
+request. Only timings and batch shapes differ (frees and prefix-cache hits one step later, one extra row for
+a sequence that stops early), and with them the device's rounding wherever its matmuls are not
+batch-invariant, exactly as it differs between two synchronous runs that batch requests differently.
+
+It is on by default (`async_scheduling=None` or True; False keeps every step synchronous). On a CPU device it
+is exact too but overlaps nothing: the forward pass runs on the host itself. Steps run synchronously (the step
+in flight is landed before scheduling, and each step lands at once) while a beam-search request is unfinished:
+a beam step forks and frees sequences from the logits of all of a request's beams, which the next schedule
+must see. `TensorParallelEngine` never overlaps (its workers read input tokens from the broadcast plan), nor
+does the disaggregated prefill worker (it would ship each prompt a step later). `stats()["scheduling"]` says
+how many steps overlapped, why the others did not, and how many tokens were computed in vain.
 
 Bad input (an empty or too-long prompt, an unknown token id, a duplicate request id, invalid sampling values)
 raises ValueError from `add_request` for that request only; the engine's state is unchanged and it keeps
@@ -16,15 +46,18 @@ import itertools
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ioattn.engine.runner import BatchEntry, ModelRunner
-from ioattn.engine.sampling import BeamSearch, BeamSearchParams, Sampler, SamplingParams, StopChecker
-from ioattn.engine.scheduler import Scheduler, SchedulerConfig
-from ioattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
-from ioattn.kv import KVCacheManager
+from ioattn.engine.async_step import LaunchedStep
+from ioattn.engine.outputs import Request, request_output
+from ioattn.engine.runner import Batch, ModelRunner
+from ioattn.engine.sampling import BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker
+from ioattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from ioattn.engine.transfer import HostCopy, to_device
+from ioattn.kv import PLACEHOLDER, KVCacheManager
 from ioattn.models.loader import LoadedModel, load_model
 
 # KV pool on a CPU device when num_blocks is not given (there is no device memory to profile).
@@ -51,6 +84,9 @@ class EngineConfig:
     swap_space: float = 4.0  # GiB of CPU blocks for preemption_mode="swap"
     watermark: float = 0.01
     enforce_eager: bool = False  # True: no CUDA graphs
+    # Schedule step t+1 while step t runs (see the module docstring); None: on (True and None differ only in
+    # engines that cannot overlap: tensor parallelism refuses True).
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"  # "triton" paged kernels (CUDA default), "torch" exact path (CPU default)
     device: str | torch.device | None = None
 
@@ -62,33 +98,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
-    # Sampling: one per sample, in index order (one until the prompt forks). Beam search: the running beams,
-    # in the order of `beam.running`.
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    checkers: list[StopChecker] = field(default_factory=list)  # sampling: one per sample
-    generators: list[torch.Generator | None] = field(default_factory=list)  # sampling: one per sample
-    beam: BeamSearch | None = None
-    # Beam search: each running beam's next-token logits, kept until every beam of the request has its row.
-    pending_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def forked(self) -> bool:
-        return len(self.seqs) == self.params.n
-
-    @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        return self.forked and all(seq.is_finished for seq in self.seqs)
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
 
 
 class LLMEngine:
@@ -134,10 +145,15 @@ class LLMEngine:
             attention_backend=config.attention_backend,
         )
         self.sampler = Sampler(self.eos_token_ids)
+        self.async_scheduling = config.async_scheduling is not False
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self._num_beam_requests = 0
+        self._in_flight: LaunchedStep | None = None
         self.num_steps = 0
+        self.num_overlapped_steps = 0
+        self.num_discarded_tokens = 0  # scheduled after a sequence's last token, before that token landed
 
     def _default_num_blocks(self, device: torch.device, block_bytes: int, max_num_batched_tokens: int) -> int:
         if device.type != "cuda":
@@ -185,6 +201,7 @@ class LLMEngine:
         if beam_search:
             request.beam = BeamSearch(params, eos_token_ids=self.eos_token_ids, prompt_len=len(token_ids),
                                       max_model_len=self.max_model_len)
+            self._num_beam_requests += 1
         else:
             request.checkers = [
                 StopChecker(params, self.tokenizer, token_ids, self.eos_token_ids, self.max_model_len)
@@ -216,14 +233,20 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free all its blocks now; False if it is unknown or already finished."""
-        request = self.requests.pop(str(request_id), None)
+        request = self.requests.get(str(request_id))
         if request is None:
             return False
+        self._drop(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
         return True
+
+    def _drop(self, request: Request) -> None:
+        del self.requests[request.request_id]
+        if request.beam is not None:
+            self._num_beam_requests -= 1
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -231,36 +254,33 @@ class LLMEngine:
     # -- one step ----------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; the outputs of every request that made progress (cumulative, vLLM-style)."""
+        """Run one scheduled batch; the outputs of every request that made progress (cumulative, vLLM-style).
+
+        Overlapping, the batch is launched and the previous one is landed: the outputs are those of the
+        previous step (none on the first call)."""
+        overlap = self.async_scheduling and not self._num_beam_requests
+        touched: dict[str, Request] = {}
+        if not overlap:
+            self._land_in_flight(touched)
         plan = self.scheduler.schedule()
-        if plan.is_empty and self.requests:
-            return self._fail_stalled()
-        now = time.monotonic()
-        self.runner.swap(plan.swap_out, plan.swap_in)
-        self.runner.copy_blocks(plan.copies)
-        entries = [
-            BatchEntry(
-                c.seq.token_ids[c.start : c.end], c.start, self.kv.block_table(c.seq.seq_id),
-                self.kv.slot_mapping(c.seq.seq_id, c.start, c.end), c.samples,
-            )
-            for c in plan.chunks
-        ]
-        logits = self.runner.execute(entries)
-        self.num_steps += 1
-        for chunk in plan.chunks:
-            self.scheduler.computed(chunk)
-            metrics = self.requests[chunk.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        touched = self._sample([c.seq for c in plan.chunks if c.samples], logits)
-        for seq in plan.preempted:
-            self.requests[seq.request_id].metrics.num_preemptions += 1
-        outputs = []
-        for request, finished in touched:
-            if finished:
-                del self.requests[request.request_id]
-            outputs.append(self._output(request, finished))
-        return outputs
+        if plan.is_empty:
+            if self._in_flight is None and not touched and self.requests:
+                return self._fail_stalled()
+            self._land_in_flight(touched)
+            return self._outputs(touched)
+        launched = self._launch(plan)
+        self._land_in_flight(touched)
+        if overlap:
+            self._in_flight = launched
+            self.num_overlapped_steps += 1
+        else:
+            self._land(launched, touched)
+        return self._outputs(touched)
+
+    def _land_in_flight(self, touched: dict[str, Request]) -> None:
+        launched, self._in_flight = self._in_flight, None
+        if launched is not None:
+            self._land(launched, touched)
 
     def _fail_stalled(self) -> list[RequestOutput]:
         """Nothing could be scheduled although requests remain: beam searches whose beams cannot all be resident
@@ -271,7 +291,7 @@ class LLMEngine:
         outputs = []
         for request in stalled:
             self.abort_request(request.request_id)
-            output = self._output(request, finished=True)
+            output = request_output(request, True, self.tokenizer)
             output.finished, output.error = True, (
                 f"beam search with beam_width {request.params.beam_width} does not fit the KV pool "
                 f"({self.kv.num_blocks} blocks of {self.config.block_size}): raise num_blocks or lower beam_width"
@@ -279,27 +299,108 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Request, bool]]:
-        """Sample every row, fork prompts with n > 1, apply stop rules; the requests touched, in order, each with
-        whether it has finished."""
-        rows, row_seqs = [], []
-        touched = {}
-        for row, seq in enumerate(seqs):
+    # -- launch: the device's share of a step, queued ----------------------------------------------------------
+
+    def _launch(self, plan: SchedulerOutput) -> LaunchedStep:
+        """Queue the plan's copies, the forward pass and the sampling; fork prompts with n > 1 and give every
+        sampled token a placeholder. Nothing here waits for the device."""
+        now = time.monotonic()
+        self.runner.swap(plan.swap_out, plan.swap_in)
+        self.runner.copy_blocks(plan.copies)
+        feed = self._in_flight.feed(plan.chunks) if self._in_flight is not None else None
+        logits = self.runner.execute(self._batch(plan.chunks), feed)
+        self.num_steps += 1
+        for chunk in plan.chunks:
+            self.scheduler.advance(chunk)
+            metrics = self.requests[chunk.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        for seq in plan.preempted:
+            self.requests[seq.request_id].metrics.num_preemptions += 1
+        return self._sample(plan.chunks, logits)
+
+    def _batch(self, chunks: list[ScheduledChunk]) -> Batch:
+        token_ids = []
+        for c in chunks:
+            token_ids += c.seq.token_ids[c.start : c.end]
+        tables, table_lens = self.kv.block_tables([c.seq.seq_id for c in chunks])
+        return Batch(token_ids, [c.start for c in chunks], [c.num_tokens for c in chunks],
+                     [c.samples for c in chunks], tables, table_lens)
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> LaunchedStep:
+        rows, samples, prompts = [], [], []
+        for row, seq in enumerate(c.seq for c in chunks if c.samples):
             request = self.requests[seq.request_id]
             if request.beam is not None:
                 request.pending_logits[seq.seq_id] = logits[row]
                 continue
             if request.forked:
                 rows.append(row)
-                row_seqs.append((request, seq, seq.index))
+                samples.append((request, seq, seq.index))
                 continue
             # An unforked prompt samples its n first tokens from one row; sample i uses generator i.
             rows.extend(row for _ in range(request.params.n))
-            row_seqs.extend((request, seq, index) for index in range(request.params.n))
-        if rows:
-            if rows != list(range(logits.shape[0])):
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            self._sample_rows(logits, row_seqs, touched)
+            samples.extend((request, seq, index) for index in range(request.params.n))
+            prompts.append((request, seq))
+        if not rows:
+            return LaunchedStep(chunks, [], None, None, {})
+        if prompts or len(rows) != logits.shape[0]:
+            logits = logits[to_device(rows, torch.int64, logits.device)]
+        out = self._sample_rows(logits, samples)
+        # Fork before any token lands: a sample that stops at once must not free blocks its siblings still need.
+        for request, seq in prompts:
+            seq.width = 1
+            for index in range(1, request.params.n):
+                self._fork(request, seq, index)
+        placed, placeholders = [], {}
+        for row, (request, _, index) in enumerate(samples):
+            seq = request.seqs[index]
+            seq.token_ids.append(PLACEHOLDER)
+            position = seq.num_tokens - 1
+            placed.append((request, seq, position))
+            placeholders[seq.seq_id] = (row, position)
+            # Its last token by length: it finishes when this one lands, whatever its value, so no step needs it.
+            seq.finishing = position - seq.num_prompt_tokens + 1 >= request.checkers[index].max_length
+        return LaunchedStep(chunks, placed, out.token_ids, HostCopy(out.packed()), placeholders)
+
+    def _sample_rows(self, logits: torch.Tensor, samples: list[tuple[Request, Sequence, int]]) -> SamplerOutput:
+        params = [request.params for request, _, _ in samples]
+        generators = [request.generators[index] for request, _, index in samples]
+        history = pending = None
+        # Only penalties and min_tokens read the token history; slicing it for every row would cost O(length).
+        if any(p.penalized or p.min_tokens for p in params):
+            history = [(seq.prompt_token_ids, seq.output_token_ids) for _, seq, _ in samples]
+            if self._in_flight is not None:
+                pending = self._in_flight.pending([seq for _, seq, _ in samples])
+        return self.sampler.sample(logits, params, generators, history, pending)
+
+    def _fork(self, request: Request, parent: Sequence, index: int) -> Sequence:
+        child = Sequence(
+            next(self._seq_ids), request.request_id, list(parent.token_ids), parent.num_prompt_tokens,
+            parent.arrival_time, parent.priority, index=index,
+        )
+        self.scheduler.fork(parent, child)
+        if request.beam is None:
+            request.seqs.append(child)
+        return child
+
+    # -- land: the host's share, once the sampled tokens are here -------------------------------------------
+
+    def _land(self, launched: LaunchedStep, touched: dict[str, Request]) -> None:
+        """Register the step's computed blocks, put its tokens in place of their placeholders and apply the stop
+        rules (waits for the step's sampled tokens); beam searches step once all their beams have logits."""
+        for chunk in launched.chunks:
+            self.scheduler.commit(chunk)
+        if launched.samples:
+            token_ids, logprobs, top_ids, top_lps = launched.read()
+            for i, (request, seq, position) in enumerate(launched.samples):
+                if seq.is_finished:  # finished or aborted after this step was launched: an unused extra token
+                    continue
+                top = None if top_ids is None else dict(zip(top_ids[i], top_lps[i]))
+                self._append(request, seq, position, token_ids[i], logprobs[i], top)
+                touched[request.request_id] = request
+        if not self._num_beam_requests:
+            return
         # A beam search steps once all its beams have logits and are resident (a preempted beam may lag behind).
         for request in self.requests.values():
             if request.pending_logits and all(
@@ -308,34 +409,22 @@ class LLMEngine:
             ):
                 self._beam_step(request)
                 touched[request.request_id] = request
-        now = time.monotonic()
-        states = []
-        for request in touched.values():
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            finished = request.finished
-            if finished:
-                request.metrics.finished_time = now
-            states.append((request, finished))
-        return states
 
-    def _sample_rows(self, logits: torch.Tensor, row_seqs: list[tuple[Request, Sequence, int]], touched: dict) -> None:
-        params = [request.params for request, _, _ in row_seqs]
-        generators = [request.generators[index] for request, _, index in row_seqs]
-        history = None
-        # Only penalties and min_tokens read the token history; slicing it for every row would cost O(length).
-        if any(p.penalized or p.min_tokens for p in params):
-            history = [(seq.prompt_token_ids, seq.output_token_ids) for _, seq, _ in row_seqs]
-        token_ids, logprobs, top_ids, top_lps = self.sampler.sample(logits, params, generators, history).tolist()
-        # Fork before any token lands: a sample that stops at once must not free blocks its siblings still need.
-        for request, seq, index in row_seqs:
-            if index > 0 and len(request.seqs) == index:
-                self._fork(request, seq, index)
-            seq.width = 1
-        for i, (request, _, index) in enumerate(row_seqs):
-            top = None if top_ids is None else dict(zip(top_ids[i], top_lps[i]))
-            self._append(request, request.seqs[index], token_ids[i], logprobs[i], top)
-            touched[request.request_id] = request
+    def _append(self, request: Request, seq: Sequence, position: int, token: int, logprob: float,
+                top: dict | None) -> None:
+        seq.token_ids[position] = token
+        if seq.num_reserved_tokens > position:  # the next schedule reserved its slot
+            self.kv.fill(seq.seq_id, position, token)
+        seq.cumulative_logprob += logprob
+        if request.params.logprobs is not None:
+            top = dict(list(top.items())[: request.params.logprobs]) if top else {}
+            seq.logprobs.append({token: logprob, **top})
+        checker = request.checkers[seq.index]
+        reason = checker.append(token)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, checker.stop_reason
+            self.scheduler.finish(seq)
+            self.num_discarded_tokens += seq.num_tokens - position - 1
 
     def _beam_step(self, request: Request) -> None:
         """Advance a beam search once every running beam has its logits: fork parents with several
@@ -359,64 +448,21 @@ class LLMEngine:
             for beam in beams:
                 self.scheduler.finish(beam)
 
-    def _fork(self, request: Request, parent: Sequence, index: int) -> Sequence:
-        child = Sequence(
-            next(self._seq_ids), request.request_id, list(parent.token_ids), parent.num_prompt_tokens,
-            parent.arrival_time, parent.priority, index=index,
-        )
-        self.scheduler.fork(parent, child)
-        if request.beam is None:
-            request.seqs.append(child)
-        return child
-
-    def _append(self, request: Request, seq: Sequence, token: int, logprob: float, top: dict | None) -> None:
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if request.params.logprobs is not None:
-            top = dict(list(top.items())[: request.params.logprobs]) if top else {}
-            seq.logprobs.append({token: logprob, **top})
-        checker = request.checkers[seq.index]
-        reason = checker.append(token)
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, checker.stop_reason
-            self.scheduler.finish(seq)
-
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        if request.beam is not None:
-            return self._beam_output(request)
-        completions = []
-        for seq in request.seqs:
-            checker = request.checkers[seq.index]
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=checker.text if seq.is_finished else checker.stable_text,
-                # The checker holds exactly the sequence's outputs: copying them skips the prompt.
-                token_ids=checker.output_token_ids[:],
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            ))
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics)
-
-    def _beam_output(self, request: Request) -> RequestOutput:
-        """Finished: the n best beams, score = sum of logprobs / length ** length_penalty. Running: the beams
-        so far, score = their running sum."""
-        search = request.beam
-        beams = search.best() if search.done else search.running
-        skip_special_tokens = request.params.skip_special_tokens
-        completions = [
-            CompletionOutput(
-                index=i, text=self.tokenizer.decode(beam.token_ids, skip_special_tokens=skip_special_tokens),
-                token_ids=list(beam.token_ids), cumulative_logprob=beam.score, logprobs=None,
-                finish_reason=None if not search.done else (
-                    "stop" if beam.token_ids and beam.token_ids[-1] in search.stop_ids else "length"),
-            )
-            for i, beam in enumerate(beams)
-        ]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, search.done,
-                             request.metrics)
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for request in touched.values():
+            metrics = request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            finished = request.finished
+            if finished:
+                metrics.finished_time = now
+                self._drop(request)
+            elif request.params.output_kind == "final_only":
+                continue
+            outputs.append(request_output(request, finished, self.tokenizer))
+        return outputs
 
     # -- streaming ---------------------------------------------------------------------------------------
 
@@ -426,6 +472,20 @@ class LLMEngine:
             yield from self.step()
 
     def stats(self) -> dict:
-        """Counters for reports: steps, preemptions and the KV manager's snapshot."""
-        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preemptions, "kv": self.kv.stats()}
+        """Counters for reports: steps, preemptions, how steps were scheduled and the KV manager's snapshot."""
+        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preemptions,
+                "scheduling": self.scheduling_stats(), "kv": self.kv.stats()}
+
+    def scheduling_stats(self) -> dict:
+        """Whether steps overlap the device (asynchronous scheduling), how many did, why the others did not, and
+        the tokens computed in vain (scheduled for a sequence whose stopping token had not landed yet)."""
+        if not self.async_scheduling:
+            why = "async_scheduling=False (always with tensor parallelism, and in a disaggregated prefill worker)"
+        elif self._num_beam_requests:
+            why = "synchronous while a beam-search request is unfinished"
+        else:
+            why = "overlapping"
+        return {"async_scheduling": self.async_scheduling, "overlapped_steps": self.num_overlapped_steps,
+                "synchronous_steps": self.num_steps - self.num_overlapped_steps,
+                "discarded_tokens": self.num_discarded_tokens, "status": why}
 

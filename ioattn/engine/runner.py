@@ -1,9 +1,10 @@
 """Model runner: owns the paged KV cache tensors and runs one flat, packed batch per step.
 
-A batch is a list of `BatchEntry`s — prefill chunks and decode tokens alike — built by the engine from the
-scheduler's chunks and the KV manager's plans (block tables, slot mappings). The runner packs their tokens into
-one `(T,)` vector with positions, and hands the model a `PagedContext`; the model's attention callable then
-writes each layer's new K/V into its cache slots and attends over the sequence's blocks:
+A `Batch` holds one entry per scheduled chunk — prefill chunks and decode tokens alike — column by column, built
+by the engine from the scheduler's chunks and the KV manager's block tables. The runner lays their tokens out as
+one `(T,)` vector with positions and cache slots (slot = table[position // block_size] * block_size + offset,
+computed for the whole batch at once), and hands the model a `PagedContext`; the model's attention callable
+then writes each layer's new K/V into its cache slots and attends over the sequence's blocks:
 
 - CUDA: `reshape_and_cache` + `paged_attention` (the Triton kernels), and decode-only batches replay CUDA
   graphs captured per batch size (rows padded to the captured size: slot -1 is not written, seq_len 0 reads
@@ -15,7 +16,9 @@ Copy-on-write and swap plans run before the forward pass, swap-outs first (a blo
 refilled by a swap-in of the same step).
 
 The step's inputs are written into persistent host buffers (`HostStaging`, pinned on CUDA) and copied to the
-device asynchronously: building a step costs the host no allocation and never waits for the GPU.
+device asynchronously: building a step costs the host no allocation and never waits for the GPU. Input tokens
+the host does not know yet (asynchronous scheduling: the previous step's samples, still on the device) come
+with a `TokenFeed` and are copied into the step's input ids on the device, after the host's copy.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ioattn.engine.transfer import to_device
 from ioattn.intmath import cdiv
 from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM, dense_causal_attention
 
@@ -45,8 +49,9 @@ class HostStaging:
     Each buffer is allocated once per name and regrown only when a batch outgrows it; on CUDA it is pinned, so
     its copy is asynchronous. That makes reuse a race: a step must not overwrite a buffer whose copy of the
     previous step has not run yet. `reuse()` waits on the event recorded after the last step's copies
-    (`copies_issued()`); in the engine it has always completed, because reading a step's sampled tokens waits
-    for the whole step, but the runner does not rely on its caller for that.
+    (`copies_issued()`). A synchronous engine has read the previous step's tokens, so that event has passed;
+    one that schedules asynchronously has read the tokens of the step before, and the copies wait only for the
+    last kernels of that step to drain: they are the first work of the next one.
     """
 
     def __init__(self, device: torch.device):
@@ -85,26 +90,72 @@ class HostStaging:
         return self.host(name, numel, dtype).to(self.device, non_blocking=True)
 
 
-def _fill_tables(tables: np.ndarray, entries: list[BatchEntry]) -> None:
-    """Row i <- entry i's block table. Columns past a row's table keep stale ids: the kernels read table entries
-    only for positions below the row's seq_len, so no padding needs writing."""
-    for row, e in enumerate(entries):
-        tables[row, : len(e.block_table)] = e.block_table
+@dataclass
+class Batch:
+    """One step, one entry per chunk: chunk i computes `num_tokens[i]` tokens at positions `starts[i]`.. of its
+    sequence (all chunks' tokens back to back in `token_ids`), over its sequence's whole block table (int32,
+    all tables back to back in `tables`, `table_lens[i]` entries each); `samples[i]`: logits for its last token."""
+
+    token_ids: list[int]
+    starts: list[int]
+    num_tokens: list[int]
+    samples: list[bool]
+    tables: bytes
+    table_lens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.starts)
 
 
 @dataclass
-class BatchEntry:
-    """One sequence's share of a step: tokens at positions start.. with their slots, and its whole block table."""
+class Layout:
+    """A batch's per-token positions and slots, its rows' context lengths and block tables (views of staging)."""
 
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    slot_mapping: list[int]
-    sample: bool  # return logits for the last token
+    positions: np.ndarray  # (T,) int64
+    slots: np.ndarray  # (T,) int64
+    seq_lens: np.ndarray  # (B,) int64
+    tables: np.ndarray  # (B, width) int32; columns past a row's table hold stale ids (see `lay_out`)
 
-    @property
-    def seq_len(self) -> int:
-        return self.start + len(self.token_ids)
+
+def lay_out(batch: Batch, tables: np.ndarray, block_size: int) -> Layout:
+    """Fill `tables` (B, width >= every table) with the batch's block tables and place every token. Columns past a
+    row's table keep stale ids: the kernels read table entries only for positions below the row's seq_len, so no
+    padding needs writing."""
+    num_rows = len(batch)
+    starts = np.array(batch.starts, dtype=np.int64)
+    lengths = np.array(batch.table_lens, dtype=np.int64)
+    width = int(lengths.max())
+    used = tables[:, :width]
+    used[np.arange(width) < lengths[:, None]] = np.frombuffer(batch.tables, dtype=np.int32)
+    if len(batch.token_ids) == num_rows:  # one token per chunk: a decode batch
+        rows, positions, seq_lens = np.arange(num_rows), starts, starts + 1
+    else:
+        counts = np.array(batch.num_tokens, dtype=np.int64)
+        ends = np.cumsum(counts)
+        rows = np.repeat(np.arange(num_rows), counts)
+        positions = np.arange(ends[-1]) - np.repeat(ends - counts - starts, counts)
+        seq_lens = starts + counts
+    blocks = used[rows, positions // block_size]
+    if (blocks < 0).any():
+        raise ValueError("a token of the batch falls in an evicted block (EVICTED table entry): it has no slot")
+    return Layout(positions, blocks.astype(np.int64) * block_size + positions % block_size, seq_lens, used)
+
+
+@dataclass
+class TokenFeed:
+    """Input tokens still on the device: packed-batch token `rows[i]` is `source[source_rows[i]]` (the batch holds
+    a placeholder there)."""
+
+    rows: list[int]
+    source_rows: list[int]
+    source: torch.Tensor  # int64, on the runner's device
+
+    def apply(self, input_ids: torch.Tensor, staging: HostStaging) -> None:
+        staging.array("feed_rows", len(self.rows), torch.int64)[:] = self.rows
+        staging.array("feed_source_rows", len(self.rows), torch.int64)[:] = self.source_rows
+        rows = staging.upload("feed_rows", len(self.rows), torch.int64)
+        source_rows = staging.upload("feed_source_rows", len(self.rows), torch.int64)
+        input_ids.index_copy_(0, rows, self.source.index_select(0, source_rows))
 
 
 @dataclass
@@ -180,7 +231,7 @@ class ModelRunner:
         """Copy-on-write: every layer's block dst <- block src, before the step writes into dst."""
         if not copies:
             return
-        mapping = torch.tensor(copies, dtype=torch.int64, device=self.device)
+        mapping = to_device(copies, torch.int64, self.device)
         if self.use_triton:
             from ioattn.ops.paged import copy_blocks
 
@@ -208,69 +259,69 @@ class ModelRunner:
     # -- the forward pass ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, entries: list[BatchEntry]) -> torch.Tensor:
-        """Run one packed batch; float32 logits (number of sampling entries, vocab), in entry order."""
-        if not entries:
+    def execute(self, batch: Batch, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Run one packed batch; float32 logits (number of sampling chunks, vocab), in chunk order."""
+        if not len(batch):
             return torch.empty(0, self.config.vocab_size, device=self.device)
         # Set per call, not once: engines sharing one loaded model must each attend over their own cache.
         self.model.attention = self._attention
-        decode = all(len(e.token_ids) == 1 for e in entries)
-        graph_size = next((s for s in self.graphs if s >= len(entries)), None) if decode else None
+        decode = len(batch.token_ids) == len(batch)
+        graph_size = next((s for s in self.graphs if s >= len(batch)), None) if decode else None
         self._staging.reuse()
         if graph_size is not None:
-            hidden = self._replay(graph_size, entries)
+            hidden = self._replay(graph_size, batch, feed)
         else:
-            hidden = self._eager(entries, decode)
-        if decode and all(e.sample for e in entries):
+            hidden = self._eager(batch, decode, feed)
+        if decode and all(batch.samples):
             self._staging.copies_issued()
             return self.model.compute_logits(hidden)
-        last_rows = np.cumsum([len(e.token_ids) for e in entries])[[e.sample for e in entries]] - 1
+        last_rows = np.cumsum(batch.num_tokens)[np.array(batch.samples, dtype=bool)] - 1
         self._staging.array("sample_rows", len(last_rows), torch.int64)[:] = last_rows
         rows = self._staging.upload("sample_rows", len(last_rows), torch.int64)
         self._staging.copies_issued()
         return self.model.compute_logits(hidden.index_select(0, rows))
 
-    def _eager(self, entries: list[BatchEntry], decode: bool) -> torch.Tensor:
-        staging = self._staging
-        num_tokens = sum(len(e.token_ids) for e in entries)
-        staging.array("input_ids", num_tokens, torch.int64)[:] = [t for e in entries for t in e.token_ids]
-        staging.array("positions", num_tokens, torch.int64)[:] = [
-            p for e in entries for p in range(e.start, e.seq_len)]
-        ctx = self._context(entries, decode)
-        input_ids = staging.upload("input_ids", num_tokens, torch.int64)
-        positions = staging.upload("positions", num_tokens, torch.int64)
-        return self.model(input_ids, positions, ctx)
-
-    def _context(self, entries: list[BatchEntry], decode: bool) -> PagedContext:
-        staging, batch = self._staging, len(entries)
-        width = max(len(e.block_table) for e in entries)
+    def _eager(self, batch: Batch, decode: bool, feed: TokenFeed | None) -> torch.Tensor:
+        staging, num_rows, num_tokens = self._staging, len(batch), len(batch.token_ids)
         # A table exactly as wide as the longest one: the kernels size their key splits from its width.
-        _fill_tables(staging.array("block_table", batch * width, torch.int32).reshape(batch, width), entries)
-        staging.array("seq_lens", batch, torch.int32)[:] = [e.seq_len for e in entries]
-        q_lens = [len(e.token_ids) for e in entries]
-        cu = np.cumsum([0, *q_lens])
-        staging.array("slot_mapping", int(cu[-1]), torch.int64)[:] = [s for e in entries for s in e.slot_mapping]
+        width = max(batch.table_lens)
+        tables = staging.array("block_table", num_rows * width, torch.int32).reshape(num_rows, width)
+        layout = lay_out(batch, tables, self.block_size)
+        staging.array("input_ids", num_tokens, torch.int64)[:] = batch.token_ids
+        staging.array("positions", num_tokens, torch.int64)[:] = layout.positions
+        staging.array("slot_mapping", num_tokens, torch.int64)[:] = layout.slots
+        staging.array("seq_lens", num_rows, torch.int32)[:] = layout.seq_lens
         if not decode:
-            staging.array("cu_seqlens_q", batch + 1, torch.int32)[:] = cu
+            cu_seqlens = staging.array("cu_seqlens_q", num_rows + 1, torch.int32)
+            cu_seqlens[0] = 0
+            np.cumsum(batch.num_tokens, out=cu_seqlens[1:])
         ctx = PagedContext(
-            slot_mapping=staging.upload("slot_mapping", int(cu[-1]), torch.int64),
-            block_table=staging.upload("block_table", batch * width, torch.int32).view(batch, width),
-            seq_lens=staging.upload("seq_lens", batch, torch.int32),
-            cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", batch + 1, torch.int32),
-            max_seqlen_q=max(q_lens),
+            slot_mapping=staging.upload("slot_mapping", num_tokens, torch.int64),
+            block_table=staging.upload("block_table", num_rows * width, torch.int32).view(num_rows, width),
+            seq_lens=staging.upload("seq_lens", num_rows, torch.int32),
+            cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", num_rows + 1, torch.int32),
+            max_seqlen_q=max(batch.num_tokens),
             window_sizes=self.window_sizes,
             # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
             workspace=self._workspace if decode else None,
         )
-        cu = cu.tolist()
         if not self.use_triton:
-            bs = self.block_size
-            for e, start, end in zip(entries, cu[:-1], cu[1:]):
-                pos = torch.arange(e.seq_len)
-                table = torch.tensor(e.block_table, dtype=torch.int64)
-                ctx.context_slots.append(table[pos // bs] * bs + pos % bs)
-                ctx.query_bounds.append((start, end))
-        return ctx
+            self._add_context_slots(ctx, batch, layout)
+        input_ids = staging.upload("input_ids", num_tokens, torch.int64)
+        positions = staging.upload("positions", num_tokens, torch.int64)
+        if feed is not None:
+            feed.apply(input_ids, staging)
+        return self.model(input_ids, positions, ctx)
+
+    def _add_context_slots(self, ctx: PagedContext, batch: Batch, layout: Layout) -> None:
+        """The torch path: each sequence's cache slots of positions 0..seq_len-1, and its rows of the batch."""
+        bs, end = self.block_size, 0
+        for row, (count, seq_len) in enumerate(zip(batch.num_tokens, layout.seq_lens.tolist())):
+            positions = np.arange(seq_len)
+            blocks = layout.tables[row, positions // bs].astype(np.int64)
+            ctx.context_slots.append(torch.from_numpy(blocks * bs + positions % bs))
+            ctx.query_bounds.append((end, end + count))
+            end += count
 
     def _attention(self, q, k, v, layer_idx: int, ctx: PagedContext) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
@@ -338,26 +389,29 @@ class ModelRunner:
         torch.cuda.synchronize()
         self.graphs = dict(sorted(self.graphs.items()))
 
-    def _replay(self, size: int, entries: list[BatchEntry]) -> torch.Tensor:
+    def _replay(self, size: int, batch: Batch, feed: TokenFeed | None) -> torch.Tensor:
         """Stage the decode rows into the graph's static inputs and replay the graph captured for `size` rows.
         Padding rows n..size get slot -1 (nothing written) and seq_len 0 (nothing read: their stale table rows
         and token ids are never used)."""
-        n, staging, max_blocks = len(entries), self._staging, self.max_blocks_per_seq
-        staging.array("graph_ids", n, torch.int64)[:] = [e.token_ids[0] for e in entries]
-        staging.array("graph_positions", n, torch.int64)[:] = [e.start for e in entries]
+        n, staging, max_blocks = len(batch), self._staging, self.max_blocks_per_seq
+        layout = lay_out(batch, staging.array("graph_tables", n * max_blocks, torch.int32).reshape(n, max_blocks),
+                         self.block_size)
+        staging.array("graph_ids", n, torch.int64)[:] = batch.token_ids
+        staging.array("graph_positions", n, torch.int64)[:] = layout.positions
         slots = staging.array("graph_slots", size, torch.int64)
-        slots[:n] = [e.slot_mapping[0] for e in entries]
+        slots[:n] = layout.slots
         slots[n:] = -1
         lens = staging.array("graph_lens", size, torch.int32)
-        lens[:n] = [e.seq_len for e in entries]
+        lens[:n] = layout.seq_lens
         lens[n:] = 0
-        _fill_tables(staging.array("graph_tables", n * max_blocks, torch.int32).reshape(n, max_blocks), entries)
         self._graph_ids[:n].copy_(staging.host("graph_ids", n, torch.int64), non_blocking=True)
         self._graph_positions[:n].copy_(staging.host("graph_positions", n, torch.int64), non_blocking=True)
         self._graph_slots[:size].copy_(staging.host("graph_slots", size, torch.int64), non_blocking=True)
         self._graph_lens[:size].copy_(staging.host("graph_lens", size, torch.int32), non_blocking=True)
         self._graph_tables[:n].copy_(staging.host("graph_tables", n * max_blocks, torch.int32).view(n, max_blocks),
                                      non_blocking=True)
+        if feed is not None:
+            feed.apply(self._graph_ids, staging)
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[:n]

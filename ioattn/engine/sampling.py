@@ -6,6 +6,9 @@
   rows may each use different settings, in vLLM's order: stop tokens masked under `min_tokens`, repetition /
   frequency / presence penalties, then greedy argmax or temperature -> min-p -> top-k -> top-p -> a random draw.
   A seeded row draws from its own `torch.Generator`, so its tokens do not depend on the rest of the batch.
+  It only queues device work: its per-row settings reach the device through pinned copies (`to_device`), and
+  the history of a row may end in a token that has not reached the host yet (asynchronous scheduling), given
+  as a device tensor.
   Returned logprobs are those of the raw model distribution, `log_softmax(logits)` before penalties and
   temperature: vLLM's default (`logprobs_mode="raw_logprobs"`), so they do not change with the sampling knobs.
 - `StopChecker` follows one sequence's output: detokenizes it incrementally, decides "stop" (EOS, a stop token,
@@ -23,9 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ioattn.engine.transfer import to_device
+
 # Temperatures below this are greedy (vLLM's threshold): dividing by them would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 
 def _is_int(value) -> bool:
@@ -44,7 +50,7 @@ def _require(ok: bool, name: str, allowed: str, value) -> None:
 
 @dataclass(kw_only=True)
 class _StopParams:
-    """When a sequence ends; shared by sampling and beam search."""
+    """When a sequence ends, and which outputs the engine returns; shared by sampling and beam search."""
 
     max_tokens: int | None = 16  # None: until the model's context length
     min_tokens: int = 0  # tokens generated before EOS / stop tokens / stop strings may end the output
@@ -53,6 +59,10 @@ class _StopParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's RequestOutputKind: "cumulative" (an output after every step that made progress, everything so far)
+    # or "final_only" (one output, once the request has finished: what LLM.generate reads; the engine then
+    # builds no other).
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -70,6 +80,7 @@ class _StopParams:
         self.stop, self.stop_token_ids = stop, stop_token_ids
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
+        _require(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
 
 
 @dataclass(kw_only=True)
@@ -150,19 +161,26 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # (S, K) int64, most likely first; None when no row asked
     top_logprobs: torch.Tensor | None  # (S, K) float32
 
-    def tolist(self) -> tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None]:
-        """token_ids, logprobs, top_token_ids, top_logprobs as Python lists, in one device -> host transfer
-        (float64 holds every id below 2**53 and every float32 value exactly)."""
+    def packed(self) -> torch.Tensor:
+        """(S, 2 + 2K) float64: token id, logprob, K top ids, K top logprobs; one tensor, so one device -> host
+        transfer (float64 holds every id below 2**53 and every float32 value exactly)."""
         columns = [self.token_ids[:, None], self.logprobs[:, None]]
         if self.top_token_ids is not None:
             columns += [self.top_token_ids, self.top_logprobs]
-        rows = torch.cat([c.double() for c in columns], dim=1).tolist()
-        token_ids = [int(row[0]) for row in rows]
-        logprobs = [row[1] for row in rows]
-        if self.top_token_ids is None:
+        return torch.cat([c.double() for c in columns], dim=1)
+
+    @staticmethod
+    def unpack(packed: torch.Tensor) -> tuple[list[int], list[float], list[list[int]] | None,
+                                               list[list[float]] | None]:
+        """token_ids, logprobs, top_token_ids, top_logprobs as Python lists, from a host copy of `packed()`."""
+        token_ids, logprobs = packed[:, 0].long().tolist(), packed[:, 1].tolist()
+        k = (packed.shape[1] - 2) // 2
+        if not k:
             return token_ids, logprobs, None, None
-        k = self.top_token_ids.shape[1]
-        return token_ids, logprobs, [[int(t) for t in row[2 : 2 + k]] for row in rows], [row[2 + k :] for row in rows]
+        return token_ids, logprobs, packed[:, 2 : 2 + k].long().tolist(), packed[:, 2 + k :].tolist()
+
+    def tolist(self) -> tuple[list[int], list[float], list[list[int]] | None, list[list[float]] | None]:
+        return self.unpack(self.packed().cpu())
 
 
 class Sampler:
@@ -181,9 +199,13 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None] | None = None,
         history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        pending: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """logits (S, V); params, generators (on logits' device, None: unseeded) and history (prompt ids, output
-        ids) one per row. History may be None only when no row uses penalties or min_tokens."""
+        ids) one per row. History may be None only when no row uses penalties or min_tokens.
+
+        A row's output ids may end in one id < 0, a token not on the host yet: `pending` (S,) int64 on logits'
+        device holds its value (and anything in rows without one). It counts as an output token like any other."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be 2-D (rows, vocab), got shape {tuple(logits.shape)}")
         num_rows = logits.shape[0]
@@ -191,21 +213,28 @@ class Sampler:
         if len(params) != num_rows or len(generators) != num_rows or (history is not None and len(history) != num_rows):
             raise ValueError(f"params, generators and history need one entry per logits row ({num_rows})")
         raw = logits.float()
+        # Rows mostly share a few parameter objects (often one): ask each object once what it needs.
+        kinds = {id(p): p for p in params}.values()
         # The raw logits stay untouched for the logprobs; only masks and penalties need a copy to edit.
-        if any(p.penalized or p.min_tokens for p in params):
+        if any(p.penalized or p.min_tokens for p in kinds):
             logits = raw.clone()
             self._mask_early_stops(logits, params, history)
-            apply_penalties(logits, params, history)
+            apply_penalties(logits, params, history, pending)
         else:
             logits = raw
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if all(p.greedy for p in kinds):
+            random_rows = []
+        elif not any(p.greedy for p in kinds):
+            random_rows = list(range(num_rows))
+        else:
+            random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = to_device(random_rows, torch.int64, logits.device)
             truncated = truncate(logits[rows], [params[i] for i in random_rows])
             token_ids[rows] = _draw(truncated, [generators[i] for i in random_rows])
         sampled_logprobs = raw.gather(1, token_ids[:, None])[:, 0] - torch.logsumexp(raw, dim=-1)
-        num_top = max((p.logprobs or 0 for p in params), default=0)
+        num_top = max((p.logprobs or 0 for p in kinds), default=0)
         top_logprobs = top_ids = None
         if num_top:
             top_logprobs, top_ids = torch.log_softmax(raw, dim=-1).topk(num_top, dim=-1)
@@ -219,20 +248,29 @@ class Sampler:
                 rows += [i] * len(stops)
                 ids += sorted(stops)
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device)] = -math.inf
+            logits[to_device(rows, torch.int64, logits.device), to_device(ids, torch.int64, logits.device)] = -math.inf
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], history) -> None:
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], history,
+                    pending: torch.Tensor | None = None) -> None:
     """In place, on the rows that use them, in vLLM's order: repetition (HF's rule, over prompt and output
-    tokens), then frequency and presence (OpenAI's, over output tokens)."""
+    tokens), then frequency and presence (OpenAI's, over output tokens). History and pending as in `sample`."""
     penalized = [i for i, p in enumerate(params) if p.penalized]
     if not penalized:
         return
     device, vocab = logits.device, logits.shape[1]
     chosen = [params[i] for i in penalized]
-    output_counts = _token_counts([_history(history, i)[1] for i in penalized], vocab, device)
+    rows = to_device(penalized, torch.int64, device)
+    outputs = [_history(history, i)[1] for i in penalized]
+    output_counts = _token_counts(outputs, vocab, device)
+    unread = [r for r, ids in enumerate(outputs) if ids and ids[-1] < 0]
+    if unread:
+        if pending is None:
+            raise ValueError("an output history ends in a token not on the host (id < 0) but pending is None")
+        unread_rows = to_device(unread, torch.int64, device)
+        counted = pending.index_select(0, rows.index_select(0, unread_rows))
+        output_counts.view(-1).scatter_add_(0, unread_rows * vocab + counted, torch.ones(len(unread), device=device))
     prompt_counts = _token_counts([_history(history, i)[0] for i in penalized], vocab, device)
-    rows = torch.tensor(penalized, device=device)
     sub = logits[rows]
     repetition = _column([p.repetition_penalty for p in chosen], device)
     seen = (output_counts > 0) | (prompt_counts > 0)
@@ -249,17 +287,15 @@ def _history(history, row):
 
 
 def _column(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return to_device(values, torch.float32, device)[:, None]
 
 
 def _token_counts(id_lists, vocab: int, device) -> torch.Tensor:
-    """(rows, vocab) float32: how often each token occurs in each row's list."""
+    """(rows, vocab) float32: how often each token occurs in each row's list (ids < 0 are not counted)."""
     counts = torch.zeros(len(id_lists), vocab, dtype=torch.float32, device=device)
-    rows = [r for r, ids in enumerate(id_lists) for _ in ids]
-    if rows:
-        ids = torch.tensor([t for ids in id_lists for t in ids], device=device)
-        counts.index_put_((torch.tensor(rows, device=device), ids), torch.ones(len(rows), device=device),
-                          accumulate=True)
+    flat = [r * vocab + t for r, ids in enumerate(id_lists) for t in ids if t >= 0]
+    if flat:
+        counts.view(-1).scatter_add_(0, to_device(flat, torch.int64, device), torch.ones(len(flat), device=device))
     return counts
 
 
@@ -297,7 +333,8 @@ def _draw(logits: torch.Tensor, generators) -> torch.Tensor:
             race[row].exponential_(generator=generator)
     unseeded = [row for row, g in enumerate(generators) if g is None]
     if unseeded:
-        race[unseeded] = torch.empty(len(unseeded), vocab, device=logits.device).exponential_()
+        race[to_device(unseeded, torch.int64, logits.device)] = torch.empty(
+            len(unseeded), vocab, device=logits.device).exponential_()
     return (probs / race.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
 
 

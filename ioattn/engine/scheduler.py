@@ -66,20 +66,17 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of a sequence are computed this step."""
+    """Tokens [start, start + num_tokens) of a sequence are computed this step. `samples`: the chunk reaches the
+    sequence's last token (when it was scheduled), so its logits give the next token."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's last token, so its logits give the next token."""
-        return self.end == self.seq.num_tokens
 
 
 @dataclass
@@ -149,13 +146,20 @@ class Scheduler:
         if self.config.mode == "static" and not (self.running or self.swapped):
             self._reserved_blocks = 0
 
-    def computed(self, chunk: ScheduledChunk) -> None:
-        """The step ran: the chunk's KV is in the cache (its full blocks become prefix-cacheable)."""
+    def advance(self, chunk: ScheduledChunk) -> None:
+        """The step computing the chunk was launched: the next schedule counts its tokens as computed (a later
+        step reads their KV only after this one wrote it, in stream order)."""
         seq = chunk.seq
         seq.num_computed_tokens = chunk.end
         if chunk.samples:  # progress is a new token: a recompute only restores what it had
             seq.resumed_without_progress = False
-        self.kv.mark_computed(seq.seq_id, chunk.end)
+
+    def commit(self, chunk: ScheduledChunk) -> None:
+        """The step ran and every token of the chunk has its value on the host: its full blocks become
+        prefix-cacheable. A sequence preempted or finished since its step was launched has no such blocks left
+        (they were freed or swapped out with its table); a later chunk of it registers them."""
+        if chunk.seq.status is SequenceStatus.RUNNING:
+            self.kv.mark_computed(chunk.seq.seq_id, chunk.end)
 
     # -- one step ------------------------------------------------------------------------------------------
 
@@ -165,7 +169,8 @@ class Scheduler:
         scheduled: set[int] = set()
 
         for seq in list(self.running):
-            if seq.status is SequenceStatus.RUNNING and seq.needs_slot and seq.seq_id not in scheduled:
+            if (seq.status is SequenceStatus.RUNNING and seq.needs_slot and not seq.finishing
+                    and seq.seq_id not in scheduled):
                 if self._reserve_slot(seq, scheduled, out):
                     budget -= self._schedule(seq, 1, scheduled, out)
         for seq in self.running:
@@ -181,9 +186,10 @@ class Scheduler:
         return out
 
     def _schedule(self, seq: Sequence, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        num_tokens = min(seq.num_uncomputed_tokens, budget)
+        uncomputed = seq.num_uncomputed_tokens
+        num_tokens = min(uncomputed, budget)
         if num_tokens > 0:
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens))
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_tokens, num_tokens == uncomputed))
             scheduled.add(seq.seq_id)
         return num_tokens
 

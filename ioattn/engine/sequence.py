@@ -3,7 +3,9 @@
 A request owns one sequence per sample: it starts with a single one holding the prompt, and when `n > 1` the
 engine forks it after the prompt's first sampled token (the children share the prompt's KV blocks). The
 scheduler works on sequences only; token ids are the prompt followed by the generated tokens, and
-`num_computed_tokens` counts those whose KV is in the cache.
+`num_computed_tokens` counts those whose KV is in the cache (or is being written by a launched step). Under
+asynchronous scheduling the last one or two generated tokens may be `ioattn.kv.PLACEHOLDER`: sampled on the
+device, not read on the host yet.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class Sequence:
     # Set when a preempted sequence is resumed and cleared once it produces a new token: it is not chosen as a
     # preemption victim in between, so that sequences cannot evict each other step after step without progress.
     resumed_without_progress: bool = False
+    # Its last token (by max_tokens or the context length) is sampled but not landed yet: it finishes when the
+    # token lands, whatever its value, so the scheduler gives it no further step (asynchronous scheduling).
+    finishing: bool = False
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""

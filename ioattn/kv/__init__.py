@@ -8,7 +8,7 @@ counters; `check_invariants` (invariants.py) verifies the whole state.
 
 from ioattn.kv.block_pool import EVICTED
 from ioattn.kv.invariants import InvariantError
-from ioattn.kv.manager import KVCacheManager
+from ioattn.kv.manager import PLACEHOLDER, KVCacheManager
 from ioattn.kv.stats import KVStats
 
-__all__ = ["EVICTED", "InvariantError", "KVCacheManager", "KVStats"]
+__all__ = ["EVICTED", "PLACEHOLDER", "InvariantError", "KVCacheManager", "KVStats"]

@@ -43,6 +43,11 @@ Decisions, and why:
   tokens and the last `window_tokens`, and marks their table entries `EVICTED` (-1): logical positions stay
   (RoPE positions and the table's indexing do not move), `slot_mapping` over them raises, and the paged
   kernel, given the same sinks and window, never reads them.
+- **Placeholder tokens (asynchronous scheduling).** An engine that schedules step t+1 before step t's sampled
+  tokens reach the host reserves each such token's slot with `append(seq_id, [PLACEHOLDER])` and hands the
+  value over with `fill` once it has arrived. Only the value is unknown: slots, copy-on-write and block counts
+  are exact. Everything keyed on token values refuses a placeholder loudly: `mark_computed` over a block
+  holding one, and `allocate` of a prompt holding one, raise ValueError.
 - **Export and import of computed prefixes (disaggregated prefill/decode).** `export_prefix` names the cached
   blocks a prompt would hit, with their digests; another manager's `import_prefix` checks each digest against
   the prompt's tokens, registers fresh blocks under those keys and returns the (shipped index, block) writes
@@ -54,6 +59,7 @@ Decisions, and why:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
@@ -63,6 +69,11 @@ from ioattn.kv.invariants import check
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key, check_extra_key
 from ioattn.kv.stats import KVStats, collect
 
+# A reserved token whose value is not known yet (see `append` and `fill`); never a real token id.
+PLACEHOLDER = -1
+# Block tables are int32 arrays: the runner's (and the kernels') layout, copied to it without conversion.
+TABLE_TYPECODE = "i"
+assert array(TABLE_TYPECODE).itemsize == 4
 
 
 @dataclass(eq=False)
@@ -71,7 +82,7 @@ class Sequence:
 
     seq_id: Hashable
     token_ids: list[int]
-    blocks: list[int]
+    blocks: array  # of TABLE_TYPECODE
     extra_key: Hashable
     num_computed: int
     # Chained digests of the first len(digests) full blocks whose KV is written (the prefix-cache chain).
@@ -134,8 +145,9 @@ class KVCacheManager:
         return seq
 
     def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
-        seq = self._get(seq_id)
-        if not seq.on_gpu:
+        seq = self.seqs.get(seq_id)
+        if seq is None or not seq.on_gpu:
+            self._get(seq_id)
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap_in before {action}")
         return seq
 
@@ -168,6 +180,8 @@ class KVCacheManager:
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("token_ids must hold at least one token")
+        if PLACEHOLDER in tokens:
+            raise ValueError("token_ids holds a PLACEHOLDER: a prompt's prefix hits need every token's value")
         needed = cdiv(len(tokens), self.block_size)
         if needed > self.num_blocks - self.watermark_blocks:
             raise ValueError(
@@ -180,7 +194,7 @@ class KVCacheManager:
             return None
         for block in hits:
             self.gpu.share(block)
-        blocks = hits + [self.gpu.take() for _ in range(needed - len(hits))]
+        blocks = array(TABLE_TYPECODE, hits + [self.gpu.take() for _ in range(needed - len(hits))])
         cached_tokens = len(hits) * self.block_size
         self.seqs[seq_id] = Sequence(seq_id, tokens, blocks, extra_key, cached_tokens, digests)
         if is_resume:
@@ -194,41 +208,55 @@ class KVCacheManager:
         """Reserve slots for new tokens; the copy-on-write (src, dst) pairs to copy first, or None.
 
         The runner copies each src block to dst before the step writes the new tokens' KV; the engine then
-        calls mark_computed. None when the pool (watermark reserve included) has too few blocks; state unchanged.
+        calls mark_computed. A token may be PLACEHOLDER (its value arrives later through `fill`). None when the
+        pool (watermark reserve included) has too few blocks; state unchanged.
         """
         seq = self._on_gpu(seq_id, "append")
-        new_tokens = list(token_ids)
+        new_tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
         bs = self.block_size
-        old_len = seq.num_tokens
+        old_len = len(seq.token_ids)
         fresh = cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
         last = seq.blocks[-1]
         copy_on_write = old_len % bs != 0 and bool(new_tokens) and self.gpu.ref_count[last] > 1
-        if fresh + copy_on_write > self.gpu.num_available:
-            return None
         copies = []
-        if copy_on_write:
-            copy = self.gpu.take()
-            self.gpu.release(last)
-            seq.blocks[-1] = copy
-            copies.append((last, copy))
-            self.cow_copies += 1
-        seq.blocks.extend(self.gpu.take() for _ in range(fresh))
+        if fresh or copy_on_write:  # else (most decodes) the last block has room: nothing to take
+            if fresh + copy_on_write > self.gpu.num_available:
+                return None
+            if copy_on_write:
+                copy = self.gpu.take()
+                self.gpu.release(last)
+                seq.blocks[-1] = copy
+                copies.append((last, copy))
+                self.cow_copies += 1
+            seq.blocks.extend(self.gpu.take() for _ in range(fresh))
         seq.token_ids.extend(new_tokens)
         return copies
+
+    def fill(self, seq_id: Hashable, position: int, token_id: int) -> None:
+        """The value of the PLACEHOLDER reserved at `position` has arrived (on the GPU or swapped out)."""
+        seq = self._get(seq_id)
+        if not (isinstance(position, int) and 0 <= position < len(seq.token_ids)
+                and seq.token_ids[position] == PLACEHOLDER):
+            raise ValueError(f"position {position!r} of seq_id {seq_id!r} does not hold a PLACEHOLDER")
+        if not (isinstance(token_id, int) and token_id >= 0):
+            raise ValueError(f"token_id must be an int >= 0, got {token_id!r}")
+        seq.token_ids[position] = token_id
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The KV of the sequence's first num_tokens tokens is written: its full blocks become cacheable."""
         seq = self._on_gpu(seq_id, "mark_computed")
-        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= seq.num_tokens:
+        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= len(seq.token_ids):
             raise ValueError(
                 f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}] (already computed .. "
                 f"reserved) for seq_id {seq_id!r}, got {num_tokens!r}"
             )
-        seq.num_computed = num_tokens
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
-        for i in range(len(seq.digests), num_tokens // bs):
+        hashed = range(len(seq.digests), num_tokens // bs) if self.enable_prefix_caching else range(0)
+        if hashed and PLACEHOLDER in seq.token_ids[hashed.start * bs : hashed.stop * bs]:
+            raise ValueError(f"tokens [{hashed.start * bs}, {hashed.stop * bs}) of seq_id {seq_id!r} hold a "
+                             "PLACEHOLDER: fill it before mark_computed hashes their blocks")
+        seq.num_computed = num_tokens
+        for i in hashed:
             parent = seq.digests[-1] if seq.digests else ROOT
             key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
             digest = block_digest(key)
@@ -241,11 +269,14 @@ class KVCacheManager:
         parent = self._on_gpu(parent_id, "fork")
         if child_id in self.seqs:
             raise ValueError(f"child_id {child_id!r} already exists")
+        if PLACEHOLDER in parent.token_ids:
+            # Each sharer would fill its own value into the one shared block.
+            raise ValueError(f"parent_id {parent_id!r} holds a PLACEHOLDER: fill it before fork")
         for block in parent.blocks:
             if block != EVICTED:
                 self.gpu.share(block)
         self.seqs[child_id] = Sequence(
-            child_id, list(parent.token_ids), list(parent.blocks), parent.extra_key, parent.num_computed,
+            child_id, list(parent.token_ids), parent.blocks[:], parent.extra_key, parent.num_computed,
             list(parent.digests),
         )
 
@@ -307,7 +338,7 @@ class KVCacheManager:
         for block in reversed(seq.blocks):
             if block != EVICTED:
                 src.release(block)
-        seq.blocks = targets
+        seq.blocks = array(TABLE_TYPECODE, targets)
         seq.on_gpu = not seq.on_gpu
         return moves
 
@@ -394,6 +425,17 @@ class KVCacheManager:
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block; EVICTED (-1) where evict_window released it."""
         return list(self._on_gpu(seq_id, "block_table").blocks)
+
+    def block_tables(self, seq_ids: Iterable[Hashable]) -> tuple[bytes, list[int]]:
+        """A batch's block tables for the runner: every sequence's int32 table back to back, and their lengths."""
+        tables, lengths = [], []
+        for seq_id in seq_ids:
+            seq = self.seqs.get(seq_id)
+            if seq is None or not seq.on_gpu:
+                self._on_gpu(seq_id, "block_tables")  # raises, naming the sequence
+            tables.append(seq.blocks)
+            lengths.append(len(seq.blocks))
+        return b"".join(tables), lengths
 
     def slot_mapping(self, seq_id: Hashable, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end)."""

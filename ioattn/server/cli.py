@@ -28,6 +28,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    serve.add_argument("--no-async-scheduling", action="store_true",
+                       help="finish each step on the host before scheduling the next (default: overlap)")
     serve.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                        help="run the model on this many processes (GPUs), Megatron-style tensor parallelism")
     serve.add_argument("--log-level", default="info")
@@ -45,6 +47,7 @@ def build_app(args: argparse.Namespace):
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager, device=args.device,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
     if args.tensor_parallel_size == 1:
         engine = LLMEngine(args.model, config)

@@ -62,7 +62,8 @@ def test_decode_step_and_roofline_on_cpu(compared):
     result, _, work = compared
     step = result["decode_step"]
     assert step["batch"] == 4 and step["steps_timed"] == serve_offline.DECODE_STEPS
-    assert step["step_ms_median"] > 0 and not step["preempted"]
+    assert step["step_ms"] > 0 and step["step_ms_median"] > 0 and not step["preempted"]
+    assert step["overlapped_steps"] == step["steps_timed"]  # asynchronous scheduling is on by default
     assert step["context_mean"] >= serve_offline.mean_context(work)  # early prefills decode longer
     assert step["bound_ms"] is None and step["bound_note"].startswith("n/a")  # no copy bandwidth on a CPU
     config = PRESETS["tiny"].config
@@ -85,7 +86,7 @@ def test_report_files_and_markdown(compared):
 
 
 def test_roofline_arithmetic():
-    step = {"weight_bytes": 16e9, "kv_bytes": 4e9, "step_ms_median": 6.0}
+    step = {"weight_bytes": 16e9, "kv_bytes": 4e9, "step_ms": 6.0, "step_ms_median": 6.5}
     serve_offline.add_roofline(step, copy_tbps=4.0)
     assert step["bound_ms"] == pytest.approx(5.0) and step["step_over_bound"] == pytest.approx(1.2)
 
@@ -127,5 +128,6 @@ def test_compare_on_cuda_has_a_roofline_bound(tmp_path):
     assert result["ceilings"]["copy_tbps"] > 0
     step = result["decode_step"]
     assert step["bound_ms"] > 0 and step["step_over_bound"] > 0 and not step["preempted"]
+    assert step["overlapped_steps"] == step["steps_timed"]  # asynchronous scheduling, on by default on CUDA
     assert result["ioattn_over_hf"] > 0 and result["ioattn_over_static"] > 0
     assert result["disclosure"]["transformers"]

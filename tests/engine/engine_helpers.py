@@ -12,15 +12,17 @@ from ioattn.models.presets import randomize_weights
 
 
 @functools.cache
-def tiny(device="cpu", num_layers: int | None = None, sliding_window: int | None = None) -> LoadedModel:
+def tiny(device="cpu", num_layers: int | None = None, sliding_window: int | None = None,
+         dtype: torch.dtype = torch.float32) -> LoadedModel:
     """The tiny preset in float32; `num_layers` cuts it down (for tests of slow paths such as the interpreter),
-    `sliding_window` makes every layer attend to that many last positions (Mistral)."""
+    `sliding_window` makes every layer attend to that many last positions (Mistral). float64 keeps the rounding
+    of batch-shape-dependent matmuls far below float32's (the logits are float32 either way)."""
     loaded = load_model("tiny", dtype="float32", device=device)
-    if num_layers is None and sliding_window is None:
+    if num_layers is None and sliding_window is None and dtype == torch.float32:
         return loaded
     num_layers = num_layers or loaded.config.num_layers
     config = loaded.config.replace(num_layers=num_layers, layer_sliding_windows=(sliding_window,) * num_layers)
-    model = build_model(config, torch.float32, device)
+    model = build_model(config, dtype, device)
     randomize_weights(model, seed=0, draw_device="cpu")
     return dataclasses.replace(loaded, model=model, config=config)
 

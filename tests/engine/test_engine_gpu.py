@@ -59,3 +59,63 @@ def test_pool_sized_from_gpu_memory_utilization_bf16():
     engine.add_request("r", prompt_token_ids=prompt(20, 1), params=greedy(8))
     assert len(run_all(engine)["r"].outputs[0].token_ids) == 8
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_async_scheduling_gives_the_synchronous_outputs(preemption_mode):
+    """Overlapped steps on the device (token feed into graph replays and eager steps, pinned readback one step
+    late, penalties over a token still on the device): the synchronous engine's tokens, finish reasons and
+    (up to the rounding of other batch shapes) logprobs."""
+    from ioattn.engine.sampling import SamplingParams
+
+    seeded = dict(temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
+    requests = {
+        **{f"g{i}": (prompt(6 + 3 * i, 20 + i), greedy(9, logprobs=2)) for i in range(5)},
+        "fork": (prompt(10, 30), SamplingParams(n=3, max_tokens=8, **seeded)),
+        "penalized": (prompt(16, 13), greedy(10, frequency_penalty=2.0)),
+        "one": (prompt(7, 31), greedy(1)),
+    }
+    results = []
+    for async_scheduling in (False, True):
+        engine = make_engine(device="cuda", num_blocks=24, max_num_batched_tokens=12, preemption_mode=preemption_mode,
+                             swap_space=0.002, async_scheduling=async_scheduling)
+        for request_id, (ids, params) in requests.items():
+            engine.add_request(request_id, prompt_token_ids=ids, params=params)
+        outputs = run_all(engine)
+        assert engine.scheduler.num_preemptions > 0
+        assert (engine.stats()["scheduling"]["overlapped_steps"] > 0) == async_scheduling
+        results.append(outputs)
+    for request_id in requests:
+        sync, overlapped = (r[request_id].outputs for r in results)
+        assert [c.token_ids for c in sync] == [c.token_ids for c in overlapped], request_id
+        assert [c.finish_reason for c in sync] == [c.finish_reason for c in overlapped]
+        assert [c.cumulative_logprob for c in overlapped] == pytest.approx([c.cumulative_logprob for c in sync],
+                                                                            rel=1e-4, abs=1e-4)
+
+
+def test_launching_an_overlapped_step_never_waits_for_the_device():
+    """White-box: with PyTorch's sync debug mode set to "error", scheduling and launching steps of decodes,
+    a forked prompt, seeded and penalized sampling and a chunked prefill raise if anything synchronizes (a
+    blocking copy, .item(), .tolist() of a device tensor); landing a step is where the host may wait."""
+    from ioattn.engine.sampling import SamplingParams
+
+    engine = make_engine(device="cuda", max_num_batched_tokens=16, async_scheduling=True)
+    for i in range(4):
+        engine.add_request(f"d{i}", prompt_token_ids=prompt(6 + i, 40 + i), params=greedy(40, logprobs=2))
+    engine.add_request("s", prompt_token_ids=prompt(9, 50),
+                       params=SamplingParams(n=2, seed=1, max_tokens=40, frequency_penalty=0.5, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.add_request("late", prompt_token_ids=prompt(30, 60), params=greedy(4))  # prefill chunks next to decodes
+    for _ in range(4):
+        plan = engine.scheduler.schedule()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = engine._launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        touched = {}
+        engine._land_in_flight(touched)
+        engine._in_flight = launched
+        engine._outputs(touched)
+    run_all(engine)

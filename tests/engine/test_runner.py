@@ -1,10 +1,14 @@
 """The runner's host staging: a step's inputs land in reused host buffers, and stale contents from a larger
-earlier batch never leak into what the model sees."""
+earlier batch never leak into what the model sees; slots come from the block tables."""
 
+from array import array
+
+import numpy as np
+import pytest
 import torch
 
 from engine_helpers import tiny
-from ioattn.engine.runner import BatchEntry, HostStaging, ModelRunner
+from ioattn.engine.runner import Batch, HostStaging, ModelRunner, lay_out
 
 
 class RecordingModel:
@@ -23,24 +27,37 @@ class RecordingModel:
         return hidden
 
 
-def _entry(start, num_tokens, table, sample=True, salt=0):
-    slots = [table[p // 4] * 4 + p % 4 for p in range(start, start + num_tokens)]
-    return BatchEntry([salt + i for i in range(num_tokens)], start, table, slots, sample)
+def _batch(*chunks):
+    """Chunks (start, num_tokens, table, sample, salt): token i of a chunk is salt + i."""
+    return Batch([salt + i for _, n, _, _, salt in chunks for i in range(n)], [c[0] for c in chunks],
+                 [c[1] for c in chunks], [c[3] for c in chunks], b"".join(array("i", c[2]) for c in chunks),
+                 [len(c[2]) for c in chunks])
 
 
 def test_a_smaller_mixed_batch_after_a_larger_one_sees_only_its_own_inputs():
     runner = ModelRunner(tiny().model, num_blocks=64, block_size=4, max_model_len=64, attention_backend="torch")
     runner.model = model = RecordingModel(runner.model)
-    big = [_entry(0, 9, [7, 8, 9], salt=100), _entry(5, 1, [10, 11], salt=200), _entry(0, 12, [1, 2, 3], salt=300)]
-    runner.execute(big)
-    small = [_entry(4, 3, [5, 6], sample=False, salt=7), _entry(2, 1, [4], salt=9)]
-    logits = runner.execute(small)
+    runner.execute(_batch((0, 9, [7, 8, 9], True, 100), (5, 1, [10, 11], True, 200), (0, 12, [1, 2, 3], True, 300)))
+    logits = runner.execute(_batch((4, 3, [5, 6], False, 7), (2, 1, [4], True, 9)))
     input_ids, positions, ctx = model.calls[-1]
     assert input_ids.tolist() == [7, 8, 9, 9] and positions.tolist() == [4, 5, 6, 2]
     assert ctx.slot_mapping.tolist() == [24, 25, 26, 18]
     assert ctx.block_table.shape == (2, 2) and ctx.block_table[0].tolist() == [5, 6] and ctx.block_table[1, 0] == 4
     assert ctx.seq_lens.tolist() == [7, 3] and ctx.cu_seqlens_q.tolist() == [0, 3, 4] and ctx.max_seqlen_q == 3
-    assert logits[:, 0].tolist() == [2.0]  # only the sampling entry's last token
+    assert logits[:, 0].tolist() == [2.0]  # only the sampling chunk's last token
+    assert [slots.tolist() for slots in ctx.context_slots] == [[20, 21, 22, 23, 24, 25, 26], [16, 17, 18]]
+
+
+def test_layout_places_every_token_by_its_block_table():
+    batch = _batch((6, 3, [9, 2, 5], True, 0), (0, 1, [4], True, 0), (13, 1, [0, 7, 3, 8], True, 0))
+    tables = np.full((3, 6), 99, dtype=np.int32)
+    layout = lay_out(batch, tables, block_size=4)
+    assert layout.positions.tolist() == [6, 7, 8, 0, 13]
+    assert layout.slots.tolist() == [2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 4 * 4 + 0, 8 * 4 + 1]
+    assert layout.seq_lens.tolist() == [9, 1, 14]
+    assert tables[:, :4].tolist() == [[9, 2, 5, 99], [4, 99, 99, 99], [0, 7, 3, 8]]  # no padding written
+    with pytest.raises(ValueError, match="evicted"):
+        lay_out(_batch((4, 1, [1, -1], True, 0)), np.zeros((1, 2), dtype=np.int32), block_size=4)
 
 
 def test_staging_reuses_its_buffers_and_grows_when_outgrown():

@@ -151,6 +151,27 @@ def test_penalties_steer_greedy_rows_and_leave_others_alone():
         Sampler().sample(logits, params)
 
 
+def test_a_pending_last_output_token_counts_like_a_known_one(device):
+    """Asynchronous scheduling: a row's last output token may still be on the device (history holds an id < 0,
+    `pending` its value); penalties and min_tokens see exactly what the full history gives them."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(0)).to(device)
+    params = [SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.3),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4]),
+              SamplingParams(temperature=0, frequency_penalty=-0.8)]
+    known = [([0, 1], [2, 5, 5]), ([3], [1, 4]), ([2], [])]
+    unread = [([0, 1], [2, 5, -1]), ([3], [1, -1]), ([2], [])]
+    pending = torch.tensor([5, 4, 0], device=device)
+    expected, got = logits.clone(), logits.clone()
+    apply_penalties(expected, params, known)
+    apply_penalties(got, params, unread, pending)
+    assert torch.equal(expected, got)
+    sampler = Sampler(eos_token_ids=[EOS % 6])
+    assert torch.equal(sampler.sample(logits, params, history=known).token_ids,
+                       sampler.sample(logits, params, history=unread, pending=pending).token_ids)
+    with pytest.raises(ValueError, match="pending"):
+        apply_penalties(got, params, unread)
+
+
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits = torch.zeros(4, 8)
     logits[:, EOS % 8] = 50.0

@@ -33,7 +33,8 @@ class FakeEngine:
     def step(self):
         out = self.scheduler.schedule()
         for chunk in out.chunks:
-            self.scheduler.computed(chunk)
+            self.scheduler.advance(chunk)
+            self.scheduler.commit(chunk)
             if chunk.samples:
                 seq = chunk.seq
                 seq.token_ids.append(1000 + seq.num_tokens)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from array import array
 
 import pytest
 from kv_harness import snapshot
 
-from ioattn.kv import EVICTED, InvariantError, KVCacheManager
+from ioattn.kv import EVICTED, PLACEHOLDER, InvariantError, KVCacheManager
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key
 
 BS = 4
@@ -38,6 +39,19 @@ def test_tables_and_slots():
     assert m.slot_mapping("a", 11, 13) == [11, 12]
     assert m.slot_mapping("a", 5, 5) == []
     m.check_invariants()
+
+
+def test_block_tables_of_a_batch_are_int32_back_to_back():
+    m = KVCacheManager(8, BS, num_cpu_blocks=2, watermark=0.0)
+    m.allocate("a", range(6))
+    m.allocate("b", range(3))
+    tables, lengths = m.block_tables(["b", "a"])
+    assert lengths == [1, 2] and array("i", tables).tolist() == m.block_table("b") + m.block_table("a")
+    m.swap_out("b")
+    with pytest.raises(ValueError, match="swapped out"):
+        m.block_tables(["a", "b"])
+    with pytest.raises(ValueError, match="unknown"):
+        m.block_tables(["ghost"])
 
 
 def test_prefix_hits_exact_accounting():
@@ -241,9 +255,33 @@ def test_evict_window_keeps_positions():
     assert m.stats().blocks_used == 0
 
 
+def test_placeholder_reserves_a_slot_and_is_hashed_only_once_filled():
+    """Asynchronous scheduling: a sampled token's slot is reserved before its value is known."""
+    m = KVCacheManager(8, BS, num_cpu_blocks=4, watermark=0.0)
+    computed(m, "a", list(range(7)))
+    assert m.append("a", [PLACEHOLDER]) == []
+    assert m.slot_mapping("a", 7, 8) == [7] and m.block_table("a") == [0, 1]
+    with pytest.raises(ValueError, match="PLACEHOLDER"):
+        m.mark_computed("a", 8)  # block 1 would be hashed with an unknown token
+    m.fill("a", 7, 42)
+    m.mark_computed("a", 8)
+    m.check_invariants()
+    assert computed(m, "b", list(range(7)) + [42, 1]) == 8  # both full blocks hit, the filled one included
+    m.append("b", [PLACEHOLDER])
+    m.swap_out("b")
+    m.fill("b", 9, 3)  # also while swapped out
+    m.check_invariants()
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
+        (lambda m: m.allocate("new", [1, PLACEHOLDER]), "PLACEHOLDER"),
+        (lambda m: m.fill("a", 5, 1), "does not hold a PLACEHOLDER"),
+        (lambda m: m.fill("p", 6, -3), "token_id"),
+        (lambda m: m.fill("p", 7, 1), "does not hold a PLACEHOLDER"),
+        (lambda m: m.fork("p", "z"), "PLACEHOLDER"),
+        (lambda m: m.mark_computed("q", 8), "PLACEHOLDER"),
         (lambda m: m.free("ghost"), "unknown sequence"),
         (lambda m: m.allocate("a", [1]), "already exists"),
         (lambda m: m.allocate("new", []), "at least one token"),
@@ -279,6 +317,10 @@ def test_bad_input_raises_and_changes_nothing(call, match):
     computed(m, "a", list(range(6)))
     computed(m, "s", list(range(6)))
     m.swap_out("s")
+    computed(m, "p", list(range(6)))
+    m.append("p", [PLACEHOLDER])
+    computed(m, "q", list(range(7)))
+    m.append("q", [PLACEHOLDER])
     before = snapshot(m)
     with pytest.raises(ValueError, match=match):
         call(m)
