@@ -12,16 +12,29 @@ from ioattn.reference import attention_ref
 
 
 def attention_grads_ref(q, k, v, do, *, scale, causal=False, bottom_right=True, window_size=(-1, -1),
-                        attn_mask=None, mask_grad=False, cu_seqlens_q=None, cu_seqlens_k=None):
-    """(dq, dk, dv, dmask) in float64 for the same arguments as the backward launchers."""
+                        attn_mask=None, mask_grad=False, cu_seqlens_q=None, cu_seqlens_k=None, saved_o=None):
+    """(dq, dk, dv, dmask) in float64 for the same arguments as the backward launchers.
+
+    saved_o: the forward output the backward is given, rounded to the input dtype. The backward forms
+    delta = rowsum(dO * O) from it, so its dS is P * (dP - delta) with O rounded, not the true P * (dP - delta):
+    the difference, -P * rowsum(dO * (O_saved - O)), is the lse's gradient weighted by that row sum, and taking
+    it off gives the exact float64 value of what the algorithm computes. Without it a check measures the rounding
+    of O through a cancelling difference (dP - delta), not the kernel: seen on tiny random problems, fp16 dmask
+    3.7e-3 > 2e-3 and fp32 dq 1.02e-5 > 1e-5, each about once in 500.
+    """
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         attn_mask = attn_mask.detach().double().requires_grad_(mask_grad)
-    out, _ = attention_ref(q64, k64, v64, causal=causal, causal_align="bottom_right" if bottom_right else "top_left",
-                           window_size=window_size, attn_mask=attn_mask, softmax_scale=scale,
-                           cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, differentiable=True)
+    out, lse = attention_ref(q64, k64, v64, causal=causal, causal_align="bottom_right" if bottom_right else "top_left",
+                             window_size=window_size, attn_mask=attn_mask, softmax_scale=scale,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, differentiable=True)
     wrt = [q64, k64, v64] + ([attn_mask] if mask_grad else [])
-    grads = torch.autograd.grad(out, wrt, do.double(), allow_unused=True)
+    if saved_o is None:
+        grads = torch.autograd.grad(out, wrt, do.double(), allow_unused=True)
+    else:
+        rounding = (do.double() * (saved_o.double() - out.detach())).sum(-1)  # (B, Nq, Hq) or (total, Hq)
+        rounding = rounding.transpose(1, 2) if rounding.dim() == 3 else rounding.t()  # the lse layout
+        grads = torch.autograd.grad((out, lse), wrt, (do.double(), -rounding), allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, wrt)]
     return (*grads[:3], grads[3] if mask_grad else None)
 
@@ -85,4 +98,4 @@ def reference_grads(problem: Problem, mask_grad: bool = False):
     kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in problem.kwargs.items()
           if n not in ("max_seqlen_q", "max_seqlen_k")}
     return attention_grads_ref(problem.q.cpu(), problem.k.cpu(), problem.v.cpu(), problem.do.cpu(),
-                               mask_grad=mask_grad, **kw)
+                               mask_grad=mask_grad, saved_o=problem.o.cpu(), **kw)

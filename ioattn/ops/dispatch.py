@@ -40,15 +40,16 @@ _HOPPER_16BIT: dict[tuple[int, bool], FwdConfig] = {
     (128, False): FwdConfig(128, 64, 4, 2), (128, True): FwdConfig(128, 64, 4, 2),
     (256, False): FwdConfig(128, 64, 8, 2), (256, True): FwdConfig(128, 64, 8, 2),
 }
-# Short queries at small head dims: few K/V tiles per program, so its fixed costs weigh more. Causal ones take
-# narrower tiles (H200, D=64, N=2048: 64x64 306 TFLOP/s against 286 for 64x128;
-# bench/results/2026-11-29-fwd-fma.md), and at D=64 pointer loads beat tensor descriptors, which every program
-# builds for itself (N=2048: 393 against 379 non-causal, 315 against 304 causal; at N=4096 descriptors win
-# again, 418 against 408: bench/results/2026-12-01-explore2-h200.json).
+# Short queries at small head dims: few K/V tiles per program, so its fixed costs weigh more and a third
+# resident program per SM pays. Causal ones take narrower tiles (H200, D=64, N=2048: 64x64 306 TFLOP/s against
+# 286 for 64x128; bench/results/2026-11-29-fwd-fma.md). At D=64, N=2048 (bench/results/2026-12-01-explore5-h200.json,
+# FlexAttention 396 / 311 in the same run): non-causal 128x64 tiles capped at 168 registers (three programs per
+# SM, no spills) 407 against 379 for the long-query entry; causal 64x64 tiles with pointer loads (no
+# per-program descriptor set-up) capped at 128 registers 331 against 304 with descriptors.
 SHORT_SEQLEN = 2048
 _HOPPER_16BIT_SHORT: dict[tuple[int, bool], FwdConfig] = {
     (16, True): FwdConfig(64, 64, 4, 2), (32, True): FwdConfig(64, 64, 4, 2),
-    (64, False): FwdConfig(128, 64, 4, 3, tma=False), (64, True): FwdConfig(64, 64, 4, 3, tma=False),
+    (64, False): FwdConfig(128, 64, 4, 3, maxnreg=168), (64, True): FwdConfig(64, 64, 4, 3, tma=False, maxnreg=128),
 }
 _INTERPRETER_CONFIG = FwdConfig(32, 32, 4, 1)  # small tiles keep the CPU interpreter quick
 
