@@ -3,17 +3,16 @@
 PYTHONPATH=. python3 bench/explore/explore2.py [sections]; writes $OUT/explore2.json (same checks as explore1).
 Results: bench/results/2026-12-01-explore2-h200.json.
 """
+import os
 import sys
 import time
 
 import torch
 
-import os
-import sys
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
-from ioattn.ops.paged import PagedConfig as C
+
+from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
 e1.RESULTS["name"] = "explore2"
 
@@ -32,31 +31,27 @@ e1.DECODE_SHAPES = [(1, 512), (3, 256)] if e1.TINY else [(1, 32768), (1, 131072)
 
 def decode_configs():
     return {
-        "base": C(16, 64, 4, 2, prefetch=False),
-        "n64w4s2r96": C(16, 64, 4, 2, prefetch=False, maxnreg=96),
-        "n64w4s2r80": C(16, 64, 4, 2, prefetch=False, maxnreg=80),
-        "n32w4s2r80": C(16, 32, 4, 2, prefetch=False, maxnreg=80),
-        "n32w4s2r64": C(16, 32, 4, 2, prefetch=False, maxnreg=64),
-        "n128w4s2": C(16, 128, 4, 2, prefetch=False),
-        "n128w4s2r128": C(16, 128, 4, 2, prefetch=False, maxnreg=128),
-        "n128w8s2": C(16, 128, 8, 2, prefetch=False),
-        "n128w8s2r80": C(16, 128, 8, 2, prefetch=False, maxnreg=80),
-        "n128w8s2r64": C(16, 128, 8, 2, prefetch=False, maxnreg=64),
-        "n64w8s2r64": C(16, 64, 8, 2, prefetch=False, maxnreg=64),
-        "rp32w4r96": C(16, 32, 4, 1, reg_pipeline=True, maxnreg=96),
-        "rp64w8r96": C(16, 64, 8, 1, reg_pipeline=True, maxnreg=96),
-        "rp64w8": C(16, 64, 8, 1, reg_pipeline=True),
+        "base": C(16, 64, 4, 2),
+        "n64w4s2r96": C(16, 64, 4, 2, maxnreg=96),
+        "n64w4s2r80": C(16, 64, 4, 2, maxnreg=80),
+        "n32w4s2r80": C(16, 32, 4, 2, maxnreg=80),
+        "n32w4s2r64": C(16, 32, 4, 2, maxnreg=64),
+        "n128w4s2": C(16, 128, 4, 2),
+        "n128w4s2r128": C(16, 128, 4, 2, maxnreg=128),
+        "n128w8s2": C(16, 128, 8, 2),
+        "n128w8s2r80": C(16, 128, 8, 2, maxnreg=80),
+        "n128w8s2r64": C(16, 128, 8, 2, maxnreg=64),
+        "n64w8s2r64": C(16, 64, 8, 2, maxnreg=64),
     }
 
 
 e1.decode_configs = decode_configs
-e1.SPLIT_SWEEP_CONFIGS = ("base", "n64w4s2r80", "n128w8s2r80", "n32w4s2r64", "rp32w4r96")
+e1.SPLIT_SWEEP_CONFIGS = ("base", "n64w4s2r80", "n128w8s2r80", "n32w4s2r64")
 e1.SPLIT_SWEEP = (3,) if e1.TINY else (24, 48, 66, 99)
 
 
 def combine_section():
     """The second launch of an unfused split: the combine kernel alone at B=1, 32 heads."""
-    from ioattn.bench import harness
     from ioattn.kernels.combine import combine_splits_kernel
     for splits in (16, 33, 66, 99):
         po = torch.randn(splits, 1, 32, 128, device=e1.DEV)
@@ -76,14 +71,14 @@ def combine_section():
 
 def prefill_configs():
     return {
-        "m128n64w8s2": C(128, 64, 8, 2, prefetch=False),
+        "m128n64w8s2": C(128, 64, 8, 2),
         "m128n128w8s2": C(128, 128, 8, 2),
-        "m128n64w8s2r128": C(128, 64, 8, 2, prefetch=False, maxnreg=128),
+        "m128n64w8s2r128": C(128, 64, 8, 2, maxnreg=128),
         "m128n128w8s2r128": C(128, 128, 8, 2, maxnreg=128),
         "m128n64w8s3r128": C(128, 64, 8, 3, maxnreg=128),
         "m64n64w4s2r168": C(64, 64, 4, 2, maxnreg=168),
-        "m256n64w8s2": C(256, 64, 8, 2, prefetch=False),
-        "m128n64w4s2r255": C(128, 64, 4, 2, prefetch=False, maxnreg=255),
+        "m256n64w8s2": C(256, 64, 8, 2),
+        "m128n64w4s2r255": C(128, 64, 4, 2, maxnreg=255),
     }
 
 
@@ -111,42 +106,8 @@ def bwd_configs():
 
 
 def bwd_section():
-    """Like explore1's: exactness at 1024 tokens, timing at B·N = 16k."""
-    from ioattn.bench import harness
-    from ioattn.kernels.prefill_bwd import attention_bwd
-    from ioattn.ops.attention import flash_attn_func
-    from ioattn.reference import attention_ref, rel_error
-    shapes = [(64, 128, False)] if e1.TINY else [(64, 16384, False), (64, 16384, True), (64, 2048, False),
-                                                  (128, 2048, False), (128, 2048, True), (128, 4096, True)]
-    for d, n, causal in shapes:
-        heads = 2 if e1.TINY else 2048 // d
-        batch = 1 if e1.TINY else 16384 // n
-        configs = bwd_configs()[d] if not e1.TINY else bwd_configs()[64][:1]
-        for cfg in configs:
-            try:
-                torch.manual_seed(d + n + causal)
-                small = 128 if e1.TINY else 1024
-                q, k, v, do = (torch.randn(1, small, heads, d, dtype=e1.BF16, device=e1.DEV) for _ in range(4))
-                o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-                refs = [t.double().requires_grad_() for t in (q, k, v)]
-                attention_ref(*refs, causal=causal, differentiable=True)[0].backward(do.double())
-                dq, dk, dv, _ = attention_bwd(do, q, k, v, o, lse, scale=d ** -0.5, causal=causal, config=cfg)
-                errs = [rel_error(g, r.grad) for g, r in zip((dq, dk, dv), refs)]
-                entry = {"D": d, "N": n, "causal": causal, "variant": str(cfg), "errors": errs}
-                if max(errs) < 1e-2:
-                    q, k, v, do = (torch.randn(batch, n, heads, d, dtype=e1.BF16, device=e1.DEV) for _ in range(4))
-                    o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
-                    flops = 2.5 * harness.attention_flops(batch, heads, n, n, d, causal=causal)
-
-                    def run(cfg=cfg, q=q, k=k, v=v, do=do, o=o, lse=lse):
-                        return attention_bwd(do, q, k, v, o, lse, scale=d ** -0.5, causal=causal, config=cfg)
-                    ms = harness.time_ms(run, e1.DEV, warmup_ms=10, rep_ms=60).ms
-                    entry.update(ms=ms, tflops=harness.tflops(flops, ms))
-                e1.RESULTS["bwd"].append(entry)
-                save()
-            except Exception as exc:  # noqa: BLE001
-                e1.record_error("bwd", (d, n, causal, str(cfg)), exc)
-            e1.sync()
+    e1.bwd_section(bwd_configs(), [(64, 16384, False), (64, 16384, True), (64, 2048, False), (128, 2048, False),
+                                   (128, 2048, True), (128, 4096, True)])
 
 
 if __name__ == "__main__":

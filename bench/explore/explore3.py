@@ -4,16 +4,16 @@ PYTHONPATH=. python3 bench/explore/explore3.py; writes $OUT/explore3.json.
 Results: bench/results/2026-12-01-explore3-h200.json.
 """
 import json
+import os
+import sys
 import time
 
 import torch
 
-import os
-import sys
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
-from ioattn.ops.paged import PagedConfig as C
+
+from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
 
 def save():
@@ -23,8 +23,8 @@ def save():
 
 e1.save = save
 e1.DECODE_SHAPES = [(3, 256)] if e1.TINY else [(64, 1024), (64, 4096), (8, 4096), (8, 32768), (1, 32768)]
-e1.decode_configs = lambda: {"base": C(16, 64, 4, 2, prefetch=False), "pfv": C(16, 64, 4, 2, prefetch=True)}
-e1.SPLIT_SWEEP_CONFIGS = ("base", "pfv")
+e1.decode_configs = lambda: {"base": C(16, 64, 4, 2)}
+e1.SPLIT_SWEEP_CONFIGS = ("base",)
 e1.SPLIT_SWEEP = (2,) if e1.TINY else (2, 3, 4, 8, 16, 25, 48, 64)
 
 
@@ -53,11 +53,9 @@ def prefill_gather_section():
     flops = harness.attention_flops(1, hq, new, total, d, causal=True)
     cu = torch.tensor([0, new], dtype=torch.int32, device=e1.DEV)
     lens = torch.tensor([total], dtype=torch.int32, device=e1.DEV)
-    configs = {"m128n64w8s2r128": C(128, 64, 8, 2, prefetch=False, maxnreg=128),
-               "m128n64w8s2r112": C(128, 64, 8, 2, prefetch=False, maxnreg=112),
-               "m128n64w8s2r128pfv": C(128, 64, 8, 2, prefetch=True, maxnreg=128),
-               "m128n64w8s2r168pfv": C(128, 64, 8, 2, prefetch=True, maxnreg=168),
-               "m128n64w8s2r168": C(128, 64, 8, 2, prefetch=False, maxnreg=168)}
+    configs = {"m128n64w8s2r128": C(128, 64, 8, 2, maxnreg=128),
+               "m128n64w8s2r112": C(128, 64, 8, 2, maxnreg=112),
+               "m128n64w8s2r168": C(128, 64, 8, 2, maxnreg=168)}
     if e1.TINY:
         configs = dict(list(configs.items())[:1])
     for page in ((16,) if e1.TINY else (16, 64, 256)):

@@ -3,8 +3,10 @@
 The kernel holds no policy: tile sizes, warps, stages, GQA packing and the dot precision all come from the
 caller (`ioattn.ops.dispatch`). Q, K, V and O move through device-side tensor descriptors (TMA on Hopper);
 their out-of-bounds rows and columns read as zero and are clipped on store, so ragged sequence ends and the
-head dim padded to a power of two need no load masks. Per-element masks are applied only on the K/V tiles
-that straddle a causal/window/sequence boundary, or on every tile when a dense mask is streamed.
+head dim padded to a power of two need no load masks. With `FwdConfig.tma=False` the same tiles move through
+pointer loads instead (masked where a tile crosses the sequence end or the padded head dim): no per-program
+descriptor set-up, which short sequences feel. Per-element score masks are applied only on the K/V tiles that
+straddle a causal/window/sequence boundary, or on every tile when a dense mask is streamed.
 
 Warp specialization (`tl.range(..., warp_specialize=True)`) is not used: in Triton 3.6 it compiles only for a
 single branch-free loop, and on an H200 that variant left rows of O and LSE unwritten (seen 2026-11-29), so
@@ -217,9 +219,7 @@ def prefill_fwd_kernel(
                                                strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
         else:
             # pointer loads: no per-program descriptor setup, which short sequences feel most
-            q_desc = Q
-            o_desc = O
-            k_desc = K
+            k_desc = K  # placeholders: _attend_tiles reads through k_base / v_base in this mode
             v_desc = V
             row_offsets = row.to(tl.int64)[:, None] * stride_qn + row_head.to(tl.int64)[:, None] * stride_qh
             io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]

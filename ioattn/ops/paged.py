@@ -82,7 +82,7 @@ def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
     if decode:
         return [
             PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
-            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options for r in (None, 64, 96)
+            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options for r in (None, 96, 128)
             if n * head_dim <= 16384
         ]
     return [
