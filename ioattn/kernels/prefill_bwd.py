@@ -3,15 +3,17 @@
 With P = exp(S - lse) recomputed tile by tile, the gradients are (FlashAttention-2, Algorithm 2):
     delta = rowsum(dO * O)          dV = P^T dO          dP = dO V^T
     dS = P * (dP - delta)           dQ = scale dS K      dK = scale dS^T Q      d(additive mask) = dS
-Three kernels: a preprocess (per row and head: lse in base 2 and delta), a dK/dV kernel (one K/V tile
-resident in registers, Q/dO tiles of every query head of its GQA group streamed past it, so dK/dV are summed
-over the group without atomics) and a dQ kernel (one Q tile resident, K/V streamed). Two ways to get dQ,
-chosen by the caller:
+Two kernels: a dQ kernel (one Q tile resident, K/V streamed; it also writes each row's lse in base 2 and
+delta, so no preprocess pass reads O and dO on its own) and then a dK/dV kernel (one K/V tile resident in
+registers, Q/dO tiles of every query head of its GQA group streamed past it, so dK/dV are summed over the group
+without atomics). Two ways to get dQ, chosen by the caller:
   - separate dQ kernel (deterministic): no atomics, bitwise reproducible; costs two extra tile matmuls per
     (Q, K) tile pair (S and dP are recomputed: 7 matmuls instead of 5, +40% tensor-core work).
-  - fused atomics (`BwdConfig.atomic_dq`): the dK/dV kernel adds each dS K into an fp32 dQ buffer with
-    relaxed atomics; 5 matmuls, but the summation order varies from run to run (results differ in the last
-    bits) and it needs an fp32 (total_q, Hq, D) buffer plus a cast pass.
+  - fused atomics (`BwdConfig.atomic_dq`): a preprocess writes the row statistics, then the dK/dV kernel adds
+    each dS K into an fp32 dQ buffer with relaxed atomics; 5 matmuls, but the summation order varies from run
+    to run (results differ in the last bits) and it needs an fp32 (total_q, Hq, D) buffer plus a cast pass.
+Each kernel walks its grid longest tile first in groups of a few heads (`_longest_first`), so under causal
+masks the grid does not end on a few long programs.
 A gradient for an additive mask that broadcasts over batch/heads is reduced with atomics unless deterministic;
 in deterministic mode it is written per (batch, head) into an expanded fp32 buffer and summed by torch
 (B*Hq*Nq*Nk floats of extra memory).
@@ -20,7 +22,7 @@ so they load through tensor descriptors like Q and dO (plain pointer loads insid
 ptxas serialize the wgmma instructions of the dK/dV kernel on sm_90, warning C7515).
 Tiles no query can see (causal / window) are skipped; only tiles that straddle a boundary apply per-element
 masks. Scores live in base 2 (exp2 with log2(e) folded into the scale). Rows that saw no key have lse = -inf:
-the preprocess turns it into +inf so their P is exactly 0 and they contribute zero gradient, never NaN.
+the statistics pass turns it into +inf so their P is exactly 0 and they contribute zero gradient, never NaN.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ioattn.kernels import interpreted
 from ioattn.kernels.prefill_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, ensure_allocator, head_dim_padded
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_GROUP = 8  # (batch, head) pairs whose tiles the grid walks together (`_longest_first`)
 _LOG2E = tl.constexpr(LOG2E)  # scores live in base 2 inside the kernels
 DMASK_NONE, DMASK_STORE, DMASK_ATOMIC = 0, 1, 2  # how the dK/dV kernel writes an additive mask's gradient
 
@@ -56,10 +59,20 @@ class BwdConfig:
     num_warps: int
     num_stages: int
     atomic_dq: bool  # fuse dQ into the dK/dV kernel with fp32 atomics (ignored when deterministic)
+    dq_num_warps: int | None = None  # the dQ kernel's own warps and stages; None: as the dK/dV kernel
+    dq_num_stages: int | None = None
+
+    @property
+    def dq_launch(self) -> tuple[int, int]:
+        """(num_warps, num_stages) of the dQ kernel."""
+        return (self.dq_num_warps or self.num_warps, self.dq_num_stages or self.num_stages)
 
     def __str__(self) -> str:
-        return (f"dkdv={self.kv_block_n}x{self.kv_block_m} dq={self.q_block_m}x{self.q_block_n} "
+        text = (f"dkdv={self.kv_block_n}x{self.kv_block_m} dq={self.q_block_m}x{self.q_block_n} "
                 f"num_warps={self.num_warps} num_stages={self.num_stages} atomic_dq={self.atomic_dq}")
+        if self.dq_launch != (self.num_warps, self.num_stages):
+            text += f" dq_num_warps={self.dq_launch[0]} dq_num_stages={self.dq_launch[1]}"
+        return text
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
@@ -70,7 +83,10 @@ def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
     timings (bf16, B·N = 16k, H·D = 2048, N = 2k and 16k; bench/results/2026-11-29-tune-bwd-h200.json, and for
     D=128 the stage counts in bench/results/2026-12-01-explore1-h200.json): the fused atomic dQ was slower than
     the separate dQ kernel on every shape (277 vs 364 TFLOP/s at D=128, N=16k), so the default backward is also
-    the deterministic one."""
+    the deterministic one. At D=128 the dK/dV kernel takes 64-row K/V tiles with 4 warps (255 registers, 98 KB
+    of shared memory: two programs per SM, so one's prologue and epilogue hide behind the other's loop) while
+    the dQ kernel keeps 128-row tiles with 8 warps (bench/results/2026-12-01-s4-explore6-h200.json: 379 / 299
+    TFLOP/s non-causal / causal at N=2k against 366 / 272, 439 / 435 at 16k against 427 / 417)."""
     if interpreted():
         return [BwdConfig(16, 16, 16, 16, 4, 1, False), BwdConfig(16, 16, 16, 16, 4, 1, True)]
     row_bytes = head_dim_padded(head_dim) * dtype.itemsize
@@ -78,8 +94,9 @@ def candidate_configs(head_dim: int, dtype: torch.dtype) -> list[BwdConfig]:
         return [BwdConfig(64, 64, 64, 64, 4, 3, False), BwdConfig(128, 64, 128, 64, 8, 3, False),
                 BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 256:  # 16-bit D <= 128
-        return [BwdConfig(128, 64, 128, 64, 8, 3, False), BwdConfig(128, 64, 128, 64, 8, 4, False),
-                BwdConfig(128, 64, 128, 64, 8, 2, False), BwdConfig(128, 32, 128, 32, 8, 3, True)]
+        return [BwdConfig(64, 64, 128, 64, 4, 2, False, 8, 3),
+                BwdConfig(128, 64, 128, 64, 8, 3, False), BwdConfig(128, 64, 128, 64, 8, 2, False),
+                BwdConfig(128, 32, 128, 32, 8, 3, True)]
     if row_bytes <= 512:  # 16-bit D <= 256, fp32 D <= 128
         return [BwdConfig(64, 32, 64, 32, 8, 2, False), BwdConfig(64, 64, 64, 64, 8, 2, False),
                 BwdConfig(64, 32, 64, 32, 8, 2, True)]
@@ -100,6 +117,22 @@ def _sequence(cu_q, cu_k, batch, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
     else:
         zero = batch * 0  # a tensor, like the varlen starts
         return zero, seqlen_q, zero, seqlen_k
+
+
+@triton.jit
+def _longest_first(HEAD_GROUP: tl.constexpr):
+    """(tile rank, batch x head index) of this program of a (tiles, batch x heads) grid. Programs start in launch
+    order, so the grid is walked in groups of HEAD_GROUP (batch, head) pairs, one group after another, and inside
+    a group rank 0 of every pair, then rank 1, and so on. The caller maps rank 0 to its longest tile under causal
+    masks: the last programs to start are short ones, so no SM is left with a long tail, and the programs
+    running at once share the K/V or Q/dO of a few heads in L2."""
+    tiles = tl.num_programs(0)
+    linear = tl.program_id(1) * tiles + tl.program_id(0)
+    group = linear // (HEAD_GROUP * tiles)
+    first = group * HEAD_GROUP
+    in_group = tl.minimum(tl.num_programs(1) - first, HEAD_GROUP)
+    within = linear - group * HEAD_GROUP * tiles
+    return within // in_group, first + within % in_group
 
 
 @triton.jit
@@ -199,13 +232,14 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
     RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr, ATOMIC_DQ: tl.constexpr, DMASK_MODE: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     """One program: one K/V tile of one (batch, KV head); writes its rows of dK and dV."""
-    batch = tl.program_id(1) // num_kv_heads
-    kv_head = tl.program_id(1) % num_kv_heads
+    rank, pair = _longest_first(HEAD_GROUP)
+    batch = pair // num_kv_heads
+    kv_head = pair % num_kv_heads
     q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, batch, seqlen_q, seqlen_k, VARLEN)
-    start_n = tl.program_id(0) * BLOCK_N
+    start_n = rank * BLOCK_N  # the first key tiles are seen by the most queries under causal masks
     if start_n >= seqlen_k:
         return
     batch64 = batch.to(tl.int64)
@@ -259,10 +293,13 @@ def attention_bwd_dkdv_kernel(
                     BLOCK_M, HEAD_DIM, HEAD_DIM_PAD, segment != 1, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
                     ATOMIC_DQ, DMASK_MODE, INPUT_PRECISION, LOOP_STAGES,
                 )
-    dk_desc = tl.make_tensor_descriptor(DK + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
-    dv_desc = tl.make_tensor_descriptor(DV + kv_offset, kv_shape, [stride_kn, 1], [BLOCK_N, HEAD_DIM_PAD])
-    dk_desc.store([start_n, 0], (dk * softmax_scale).to(DK.dtype.element_ty))
-    dv_desc.store([start_n, 0], dv.to(DV.dtype.element_ty))
+    # Stored once per program: pointer stores spare building two more descriptors, and in the sm_90 build of the
+    # D=128 tile they move the register spills out of the loop into the prologue and epilogue.
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    kv_tile = kv_offset + cols.to(tl.int64)[:, None] * stride_kn + dims[None, :]
+    kv_inside = (cols[:, None] < seqlen_k) & (dims[None, :] < HEAD_DIM)
+    tl.store(DK + kv_tile, (dk * softmax_scale).to(DK.dtype.element_ty), mask=kv_inside)
+    tl.store(DV + kv_tile, dv.to(DV.dtype.element_ty), mask=kv_inside)
 
 
 @triton.jit
@@ -288,22 +325,22 @@ def _dq_steps(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, STATS, DQ, MASK, CU_Q, CU_K,
+    Q, K, V, O, DO, LSE, STATS, DQ, MASK, CU_Q, CU_K,
     seqlen_q, seqlen_k, num_heads,
-    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_sb, stride_sn, stride_sh,
-    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_qb, stride_qn, stride_qh, stride_kb, stride_kn, stride_kh, stride_lb, stride_lh,
+    stride_sb, stride_sn, stride_sh, stride_mb, stride_mh, stride_mm, stride_mn,
     softmax_scale, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, LEFT_BOUNDED: tl.constexpr,
     RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    LOOP_STAGES: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     """One program: one Q tile of one (batch, query head); writes its rows of dQ."""
-    batch = tl.program_id(1) // num_heads
-    head = tl.program_id(1) % num_heads
+    rank, pair = _longest_first(HEAD_GROUP)
+    batch = pair // num_heads
+    head = pair % num_heads
     q_start, seqlen_q, k_start, seqlen_k = _sequence(CU_Q, CU_K, batch, seqlen_q, seqlen_k, VARLEN)
-    # last query tiles first: under causal masks they see the most keys, so the grid's tail is short work
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - rank) * BLOCK_M  # the last query tiles see the most keys under causal masks
     if start_m >= seqlen_q:
         return
     batch64 = batch.to(tl.int64)
@@ -325,15 +362,19 @@ def attention_bwd_dq_kernel(
     full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo), hi)
     full_hi = tl.minimum(tl.maximum(tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N, full_lo), hi)
 
-    q_offset = batch64 * stride_qb + q_start.to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh
-    q_desc = tl.make_tensor_descriptor(Q + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
-    do_desc = tl.make_tensor_descriptor(DO + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
-    q = q_desc.load([start_m, 0])
-    do = do_desc.load([start_m, 0])
+    # The resident tiles load once, through pointers (no descriptors to build for them), and this program
+    # writes its rows' statistics for the dK/dV kernel, which runs after this one (no preprocess launch).
     rows = start_m + tl.arange(0, BLOCK_M)
-    stats_offset = batch64 * stride_sb + q_start.to(tl.int64) * stride_sn + head.to(tl.int64) * stride_sh
-    stats_desc = tl.make_tensor_descriptor(STATS + stats_offset, [seqlen_q, 4], [stride_sn, 1], [BLOCK_M, 4])
-    lse2, delta = _rows_stats(stats_desc, start_m)
+    valid = rows < seqlen_q
+    row_pos = q_start.to(tl.int64) + rows
+    head64 = head.to(tl.int64)
+    do, lse2, delta = _write_row_stats(O, DO, LSE, STATS, batch64, head64, row_pos, valid, stride_qb, stride_qn,
+                                       stride_qh, stride_lb, stride_lh, stride_sb, stride_sn, stride_sh, HEAD_DIM,
+                                       HEAD_DIM_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    row_offsets = batch64 * stride_qb + row_pos[:, None] * stride_qn + head64 * stride_qh + dims[None, :]
+    inside = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    q = tl.load(Q + row_offsets, mask=inside, other=0.0)
 
     kv_offset = (batch64 * stride_kb + k_start.to(tl.int64) * stride_kn
                  + (head // GROUP).to(tl.int64) * stride_kh)
@@ -353,8 +394,29 @@ def attention_bwd_dq_kernel(
                 window_left, window_right, mask_bh, stride_mm, stride_mn, qk_scale, BLOCK_N, segment != 1,
                 LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND, INPUT_PRECISION, LOOP_STAGES,
             )
-    q_desc_out = tl.make_tensor_descriptor(DQ + q_offset, [seqlen_q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, HEAD_DIM_PAD])
-    q_desc_out.store([start_m, 0], (dq * softmax_scale).to(DQ.dtype.element_ty))
+    tl.store(DQ + row_offsets, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _write_row_stats(
+    O, DO, LSE, STATS, batch64, head64, row_pos, valid, stride_qb, stride_qn, stride_qh, stride_lb, stride_lh,
+    stride_sb, stride_sn, stride_sh, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """For rows row_pos (packed positions; `valid` where they exist) of one head: writes their [lse2, delta, 0, 0]
+    records, lse2 = lse * log2(e) (+inf where lse = -inf, so P = 0) and delta = rowsum(dO * O) in fp32, and
+    returns (dO tile, lse2, delta); rows that do not exist read zeros."""
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    offsets = batch64 * stride_qb + row_pos[:, None] * stride_qn + head64 * stride_qh + dims[None, :]
+    inside = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    do = tl.load(DO + offsets, mask=inside, other=0.0)
+    delta = tl.sum(tl.load(O + offsets, mask=inside, other=0.0).to(tl.float32) * do.to(tl.float32), axis=1)
+    lse = tl.load(LSE + batch64 * stride_lb + head64 * stride_lh + row_pos, mask=valid, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    field = tl.arange(0, 4)[None, :]
+    records = tl.where(field == 0, lse2[:, None], tl.where(field == 1, delta[:, None], 0.0))
+    record_ptrs = STATS + batch64 * stride_sb + row_pos[:, None] * stride_sn + head64 * stride_sh + field
+    tl.store(record_ptrs, records, mask=valid[:, None])
+    return do, lse2, delta
 
 
 @triton.jit
@@ -363,27 +425,15 @@ def attention_bwd_preprocess_kernel(
     stride_sb, stride_sn, stride_sh,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Per row and head: [lse2, delta, 0, 0] with lse2 = lse * log2(e) (+inf where lse = -inf, so P = 0)
-    and delta = rowsum(dO * O) in fp32."""
+    """Per row and head: the [lse2, delta, 0, 0] records the dK/dV kernel reads (`_write_row_stats`). Only the
+    fused atomic-dQ mode needs this pass: otherwise the dQ kernel writes them and runs first."""
     batch = tl.program_id(1) // num_heads
     head = tl.program_id(1) % num_heads
     q_start, seqlen_q, _, _ = _sequence(CU_Q, CU_Q, batch, seqlen_q, seqlen_q, VARLEN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    valid = rows < seqlen_q
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    batch64 = batch.to(tl.int64)
-    row_pos = (q_start + rows).to(tl.int64)
-    offsets = batch64 * stride_qb + row_pos[:, None] * stride_qn + head.to(tl.int64) * stride_qh + dims[None, :]
-    inside = valid[:, None] & (dims[None, :] < HEAD_DIM)
-    o = tl.load(O + offsets, mask=inside, other=0.0).to(tl.float32)
-    do = tl.load(DO + offsets, mask=inside, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    lse = tl.load(LSE + batch64 * stride_lb + head.to(tl.int64) * stride_lh + row_pos, mask=valid, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
-    field = tl.arange(0, 4)[None, :]
-    records = tl.where(field == 0, lse2[:, None], tl.where(field == 1, delta[:, None], 0.0))
-    record_ptrs = STATS + batch64 * stride_sb + row_pos[:, None] * stride_sn + head.to(tl.int64) * stride_sh + field
-    tl.store(record_ptrs, records, mask=valid[:, None])
+    _write_row_stats(O, DO, LSE, STATS, batch.to(tl.int64), head.to(tl.int64), (q_start + rows).to(tl.int64),
+                     rows < seqlen_q, stride_qb, stride_qn, stride_qh, stride_lb, stride_lh, stride_sb, stride_sn,
+                     stride_sh, HEAD_DIM, HEAD_DIM_PAD)
 
 
 def check_bwd_args(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, attn_mask,
@@ -523,8 +573,11 @@ def attention_bwd(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), VARLEN=varlen, BOTTOM_RIGHT=bottom_right,
         LEFT_BOUNDED=left >= 0, RIGHT_BOUNDED=right >= 0,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        LOOP_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    dkdv_launch = dict(LOOP_STAGES=config.num_stages, num_warps=config.num_warps, num_stages=config.num_stages,
+                       HEAD_GROUP=HEAD_GROUP)
+    dq_warps, dq_stages = config.dq_launch
+    dq_launch = dict(LOOP_STAGES=dq_stages, num_warps=dq_warps, num_stages=dq_stages, HEAD_GROUP=HEAD_GROUP)
 
     mask_kind, mask_arg, strides_m = MASK_NONE, q, (0, 0, 0, 0)
     dmask_mode, dmask_buffer, strides_dm = DMASK_NONE, q, (0, 0, 0, 0)
@@ -551,27 +604,28 @@ def attention_bwd(
     if k.shape[-3] == 0:  # no keys at all: nothing is visible, every gradient is zero
         dq.zero_()
     elif batch * num_kv_heads > 0:
-        rows = max(16, 4096 // head_dim_padded(head_dim))  # O and dO tiles of 16 KB in registers
-        attention_bwd_preprocess_kernel[(max(1, triton.cdiv(max_seqlen_q, rows)), batch * num_heads)](
-            o, do, lse, stats, cu_q, seqlen_q, num_heads, *strides_q, *strides_l, *strides_s,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), BLOCK_M=rows, VARLEN=varlen,
-        )
+        if atomic_dq:  # the row statistics from their own pass
+            rows = max(16, 4096 // head_dim_padded(head_dim))  # O and dO tiles of 16 KB in registers
+            attention_bwd_preprocess_kernel[(max(1, triton.cdiv(max_seqlen_q, rows)), batch * num_heads)](
+                o, do, lse, stats, cu_q, seqlen_q, num_heads, *strides_q, *strides_l, *strides_s,
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), BLOCK_M=rows, VARLEN=varlen,
+            )
+        else:  # the dQ kernel first: it writes the row statistics the dK/dV kernel reads
+            attention_bwd_dq_kernel[(max(1, triton.cdiv(max_seqlen_q, config.q_block_m)), batch * num_heads)](
+                q, k, v, o, do, lse, stats, dq, mask_arg, cu_q, cu_k,
+                seqlen_q, seqlen_k, num_heads, *strides_q, *strides_k, *strides_l, *strides_s, *strides_m,
+                scale, left, right, BLOCK_M=config.q_block_m, BLOCK_N=config.q_block_n,
+                GROUP=num_heads // num_kv_heads, MASK_KIND=mask_kind, **common, **dq_launch,
+            )
         attention_bwd_dkdv_kernel[(max(1, triton.cdiv(max_seqlen_k, config.kv_block_n)), batch * num_kv_heads)](
             q, k, v, do, stats, dk, dv, dq_accum, mask_arg, dmask_buffer, cu_q, cu_k,
             seqlen_q, seqlen_k, num_kv_heads, *strides_q, *strides_k, *strides_s, *strides_m, *strides_dm,
             scale, left, right, BLOCK_M=config.kv_block_m, BLOCK_N=config.kv_block_n,
             GROUP=num_heads // num_kv_heads, MASK_KIND=mask_kind, ATOMIC_DQ=atomic_dq, DMASK_MODE=dmask_mode,
-            **common,
+            **common, **dkdv_launch,
         )
         if atomic_dq:
             dq.copy_(dq_accum)
-        else:
-            attention_bwd_dq_kernel[(max(1, triton.cdiv(max_seqlen_q, config.q_block_m)), batch * num_heads)](
-                q, k, v, do, stats, dq, mask_arg, cu_q, cu_k,
-                seqlen_q, seqlen_k, num_heads, *strides_q, *strides_k, *strides_s, *strides_m,
-                scale, left, right, BLOCK_M=config.q_block_m, BLOCK_N=config.q_block_n,
-                GROUP=num_heads // num_kv_heads, MASK_KIND=mask_kind, **common,
-            )
     dmask = None
     if mask_grad:
         dims = [d for d in range(4) if mask4.shape[d] == 1 and full_shape[d] != 1]

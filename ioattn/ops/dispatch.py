@@ -25,7 +25,7 @@ logger = logging.getLogger("ioattn")
 
 TRITON_KERNEL = "ioattn.kernels.prefill_fwd.prefill_fwd_kernel"
 TORCH_KERNEL = "ioattn.ops.torch_backend.attention_forward"
-TRITON_BWD_KERNEL = "ioattn.kernels.prefill_bwd.attention_bwd (preprocess, dK/dV and dQ kernels)"
+TRITON_BWD_KERNEL = "ioattn.kernels.prefill_bwd.attention_bwd (dQ kernel with the row statistics, then dK/dV kernel)"
 TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
 HOPPER = (9, 0)
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -54,12 +54,12 @@ _HOPPER_16BIT_SHORT: dict[tuple[int, bool], FwdConfig] = {
 _INTERPRETER_CONFIG = FwdConfig(32, 32, 4, 1)  # small tiles keep the CPU interpreter quick
 
 # Hopper backward table for 16-bit inputs, keyed by padded head dim: the fastest candidates of H200 timings
-# (bench/results/2026-11-29-tune-bwd-h200.json; D=128 re-timed in bench/results/2026-12-01-explore1-h200.json:
-# 3 stages 428 / 426 TFLOP/s non-causal / causal at N=16k against 348 / 375 with 2; D=256 not timed yet, its
-# first register-checked candidate).
+# (bench/results/2026-11-29-tune-bwd-h200.json; D=128 re-timed in bench/results/2026-12-01-s4-explore6-h200.json:
+# 64-row dK/dV tiles on 4 warps, two programs per SM, beside 128-row dQ tiles on 8 warps, fastest at N = 2k, 4k
+# and 16k, causal or not; D=256 not timed yet, its first register-checked candidate).
 _HOPPER_BWD_16BIT: dict[int, BwdConfig] = {
     16: BwdConfig(64, 64, 64, 64, 4, 3, False), 32: BwdConfig(64, 64, 64, 64, 4, 3, False),
-    64: BwdConfig(64, 64, 64, 64, 4, 3, False), 128: BwdConfig(128, 64, 128, 64, 8, 3, False),
+    64: BwdConfig(64, 64, 64, 64, 4, 3, False), 128: BwdConfig(64, 64, 128, 64, 4, 2, False, 8, 3),
     256: BwdConfig(64, 32, 64, 32, 8, 2, False),
 }
 

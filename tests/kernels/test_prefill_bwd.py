@@ -184,6 +184,23 @@ def test_varlen_rejects_mask():
                       attn_mask=torch.zeros(4, 4))
 
 
+def test_grid_walk_covers_partial_head_groups(device, poisoned):
+    """More (batch, head) pairs than one walk group holds, the last group partial (3 x 5 = 15 pairs, groups of
+    8): every tile of every pair is computed once, in the walk's longest-first order."""
+    problem = make_problem(batch=3, n_q=40, n_k=40, hq=5, hkv=5, causal=True, device=device)
+    check(problem, torch.float32, config=CPU_CONFIG)
+    gqa = make_problem(seqlens=[(9, 30), (33, 33), (0, 5), (17, 17), (40, 12)], hq=6, hkv=2, causal=True,
+                       device=device)
+    check(gqa, torch.float32, config=CPU_CONFIG)
+
+
+def test_config_text_names_the_dq_launch():
+    split = BwdConfig(64, 64, 128, 64, 4, 2, False, 8, 3)
+    assert split.dq_launch == (8, 3) and str(split).endswith("dq_num_warps=8 dq_num_stages=3")
+    same = BwdConfig(64, 64, 64, 64, 4, 3, False)
+    assert same.dq_launch == (4, 3) and "dq_num_warps" not in str(same)
+
+
 def test_candidate_configs_cover_both_dq_modes():
     for head_dim in (64, 128, 256):
         configs = candidate_configs(head_dim, torch.bfloat16)
@@ -198,7 +215,7 @@ from triton.compiler import ASTSource
 from ioattn.kernels import prefill_bwd as bwd
 
 common = dict(HEAD_DIM=72, HEAD_DIM_PAD=128, BOTTOM_RIGHT=True, LEFT_BOUNDED=True, RIGHT_BOUNDED=True,
-              INPUT_PRECISION="tf32", LOOP_STAGES=2)
+              INPUT_PRECISION="tf32", LOOP_STAGES=2, HEAD_GROUP=8)
 variants = [
     (bwd.attention_bwd_dkdv_kernel, dict(common, VARLEN=True, GROUP=2, MASK_KIND=0, BLOCK_M=32, BLOCK_N=128,
                                          ATOMIC_DQ=True, DMASK_MODE=0)),
@@ -262,6 +279,38 @@ def test_gpu_every_candidate_config(head_dim, poisoned):
                            dtype=torch.bfloat16, device="cuda")
     for config in candidate_configs(head_dim, torch.bfloat16):
         check(problem, torch.bfloat16, config=config)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_in_a_cuda_graph(poisoned):
+    """The default D=128 backward (dQ kernel first, writing the row statistics the dK/dV kernel reads) eager
+    and replayed from a CUDA graph matches the reference, and work queued after it sees both kernels' outputs
+    (17 x 3 pairs: several grid-walk groups, the last partial)."""
+    config = default_config(128, torch.bfloat16)
+    problem = make_problem(batch=17, n_q=700, n_k=700, hq=3, hkv=3, head_dim=128, causal=True,
+                           dtype=torch.bfloat16, device="cuda")
+    ref = reference_grads(problem, False)
+
+    def run():
+        grads = attention_bwd(problem.do, problem.q, problem.k, problem.v, problem.o, problem.lse,
+                              **problem.kwargs, config=config)
+        return [g * 2 for g in grads[:3]]  # work queued behind the dQ kernel
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    for t in captured:
+        t.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    for outputs in (eager, captured):
+        for name, got, want in zip(("dq", "dk", "dv"), outputs, ref):
+            assert rel_error(got / 2, want) < TOLERANCE[torch.bfloat16], name
 
 
 @pytest.mark.gpu
