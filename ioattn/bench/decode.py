@@ -7,7 +7,11 @@ EFFICIENT and CUDNN (q (B, Hq, 1, D), `enable_gqa=True`) and FlexAttention (comp
 shape), the last two on a contiguous (B, H, L, D) copy made outside timing. Rate: bytes of K and V read per
 second (2·B·L·Hkv·D·itemsize / time) and its share of the device-copy ceiling measured in the same run.
 Each backend is captured in a CUDA graph when it allows it (column `used`), so µs-scale rows time the GPU, not
-Python's launch overhead. Error: ‖out − ref‖/‖ref‖ on the first sequence against float64 `attention_ref`.
+Python's launch overhead. A graph runs the backend over `layers` distinct copies of the cache back to back, as a
+model's decode step runs its layers (as many as fit in `--layers-gib`, at most `--layers`; 1 times a lone call);
+µs is per layer. A lone call also pays the graph's launch (about 4 µs here, ~8% of a 50 µs row), which a model's
+step pays once for all its layers. Error: ‖out − ref‖/‖ref‖ on the first sequence against float64
+`attention_ref`.
 
 Chunked prefill (`--prefill`, on by default on CUDA): 4k new tokens appended to a 4k paged context (Nq 4k,
 Nk 8k, causal bottom-right) through `ioattn.paged_attention`, against the dense forward
@@ -38,7 +42,7 @@ SDPA_PEERS = {"torch-flash": "FLASH_ATTENTION", "torch-efficient": "EFFICIENT_AT
 BACKENDS = ("ioattn-paged", "ioattn-contiguous", *SDPA_PEERS, "flex")
 PAGED_BLOCK = 16
 CONTIGUOUS_BLOCK = 256  # the largest block the kernel takes: one table entry per 256 contiguous tokens
-TUNE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+TUNE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 66, 96, 132)
 CASE_COLUMNS = [("B", "B"), ("L", "L"), ("Hq/Hkv", "heads"), ("D", "D")]
 
 
@@ -105,7 +109,17 @@ def _graphed(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str
 # --- backends -----------------------------------------------------------------------------------------------
 
 
-def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0):
+def layer_count(case: Case, args) -> int:
+    """How many distinct caches one timed graph runs through: as many as fit in --layers-gib, at most --layers."""
+    return max(1, min(args.layers, int(args.layers_gib * 2**30 // case.kv_bytes)))
+
+
+def _layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[torch.Tensor, ...]]:
+    """`tensors` and layers - 1 copies of them at other addresses (the same values: each layer's output checks)."""
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(layers - 1)]
+
+
+def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0, layers=1):
     blocks = case.seqlen // block
     k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
@@ -118,10 +132,13 @@ def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, con
     plan = plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=num_splits, config=config)
     workspace = paged_workspace(case.batch, case.heads_q, case.head_dim, max_splits=plan.num_splits, device=q.device)
     out = torch.empty_like(q)
+    caches = _layer_copies((k_cache, v_cache), layers)
 
     def forward():
-        return paged_attention(q, k_cache, v_cache, table, lens, out=out, workspace=workspace,
-                               num_splits=plan.num_splits, config=plan.config)
+        for layer_k, layer_v in caches:
+            paged_attention(q, layer_k, layer_v, table, lens, out=out, workspace=workspace,
+                            num_splits=plan.num_splits, config=plan.config)
+        return out
 
     def restore():  # undo the scatter so later backends see the contiguous cache again
         if shuffled:
@@ -131,29 +148,39 @@ def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, con
     return forward, out, plan, restore
 
 
-def _sdpa_runner(name: str, q4, kt, vt):
+def _sdpa_runner(name: str, q4, caches):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, SDPA_PEERS[name])
 
     def forward():
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q4, kt, vt, enable_gqa=True)
+            for kt, vt in caches:
+                out = torch.nn.functional.scaled_dot_product_attention(q4, kt, vt, enable_gqa=True)
+        return out
 
     return forward
 
 
-def _flex_runner(q4, kt, vt):
+def _flex_runner(q4, caches):
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()  # a fresh compile per shape, never past dynamo's recompile limit (MEASURING.md)
     compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda: compiled(q4, kt, vt, enable_gqa=True)
+
+    def forward():
+        for kt, vt in caches:
+            out = compiled(q4, kt, vt, enable_gqa=True)
+        return out
+
+    return forward
 
 
-def _measure(fn, device: str, args) -> tuple[float, str]:
+def _measure(fn, device: str, args, layers: int = 1) -> tuple[float, str]:
+    """Milliseconds per layer of `fn`, which runs `layers` of them (in one CUDA graph when it captures)."""
     graphed, how = _graphed(fn, device)
-    return harness.time_ms(graphed, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).ms, how
+    ms = harness.time_ms(graphed, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).ms / layers
+    return ms, how if layers == 1 else f"{how} of {layers} layers"
 
 
 def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
@@ -171,11 +198,13 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
     ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
     ref = ref[0, 0]
 
+    layers = layer_count(case, args)
+
     def add(name, fn, out_of: Callable[[], torch.Tensor], used: str, extra=None):
         result: dict[str, Any] = {}
 
         def work():
-            ms, how = _measure(fn, device, args)
+            ms, how = _measure(fn, device, args, layers)
             result.update(ms=ms, how=how, error=rel_error(out_of(), ref))
 
         status = harness.guarded(work, ours=name.startswith("ioattn"))
@@ -190,7 +219,7 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
     for name, block, shuffled in (("ioattn-paged", PAGED_BLOCK, True),
                                   ("ioattn-contiguous", _contiguous_block(case.seqlen), False)):
         if name in args.backends:
-            _ioattn_row(name, case, (q, k, v, lens), ref, block, shuffled, add, args)
+            _ioattn_row(name, case, (q, k, v, lens), ref, block, shuffled, add, args, layers)
 
     peers = [n for n in args.backends if not n.startswith("ioattn")]
     if peers:
@@ -199,12 +228,13 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
         del k  # one layout at a time: the largest cases fill most of the GPU
         vt = v.transpose(1, 2).contiguous()
         del v
+        caches = _layer_copies((kt, vt), layers)
         for name in peers:
             if not device.startswith("cuda"):
                 rows.append(Row(case.columns(), name, status="skipped: CUDA only"))
                 continue
             holder: dict[str, torch.Tensor] = {}
-            fn = _flex_runner(q4, kt, vt) if name == "flex" else _sdpa_runner(name, q4, kt, vt)
+            fn = _flex_runner(q4, caches) if name == "flex" else _sdpa_runner(name, q4, caches)
 
             def keep(fn=fn, holder=holder):
                 holder["out"] = fn()
@@ -215,13 +245,15 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
     return rows
 
 
-def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, add, args) -> None:
-    forward, out, plan, restore = _ioattn_runner(case, *inputs, block=block, shuffled=shuffled)
-    extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block}
+def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, add, args, layers: int) -> None:
+    forward, out, plan, restore = _ioattn_runner(case, *inputs, block=block, shuffled=shuffled, layers=layers)
+    extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block,
+             "layers": layers}
     add(name, forward, lambda: out[0], f"paged_attention block {block}, {plan.num_splits} splits", extra)
+    del forward  # the layer copies
     restore()
     if args.tune and name == "ioattn-paged":
-        extra["tuning"] = tune(case, *inputs, ref, args)
+        extra["tuning"] = tune(case, *inputs, ref, args, layers)
 
 
 def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
@@ -243,13 +275,13 @@ def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
     return ranked + ([{"wrong": wrong}] if wrong else [])
 
 
-def tune(case: Case, q, k, v, lens, ref, args) -> list[dict[str, Any]]:
+def tune(case: Case, q, k, v, lens, ref, args, layers: int = 1) -> list[dict[str, Any]]:
     """Every decode candidate config (heuristic splits), then every split count in TUNE_SPLITS (default config)."""
     def run_trial(config, splits):
         forward, out, plan, restore = _ioattn_runner(case, q, k, v, lens, block=PAGED_BLOCK, shuffled=True,
-                                                     config=config, num_splits=splits)
+                                                     config=config, num_splits=splits, layers=layers)
         try:
-            ms, _ = _measure(forward, args.device, args)
+            ms, _ = _measure(forward, args.device, args, layers)
             return ms, rel_error(out[0], ref), plan
         finally:
             restore()
@@ -377,6 +409,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=4096, help="new tokens = cached tokens (default 4096)")
     p.add_argument("--tune", action="store_true", help="time candidate configs and split counts for ioattn-paged")
     p.add_argument("--max-kv-gib", type=float, default=60.0, help="skip cases whose K+V exceed this")
+    p.add_argument("--layers", type=int,
+                   help="distinct caches run back to back in one timed graph, as a model's layers (default 32 on "
+                        "CUDA, 1 on the CPU; 1 times a lone call)")
+    p.add_argument("--layers-gib", type=float, default=8.0,
+                   help="memory the layer copies may take; fewer layers where a case's K+V is larger")
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     harness.add_run_args(p, budget_s=480.0, out_help="directory for <date>-decode-<device>.{json,md}")
@@ -397,6 +434,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.dtype = harness.dtype_name(harness.parse_dtype(args.dtype or ("bfloat16" if cuda else "float32")))
     args.backends = args.backends or list(BACKENDS)
     args.prefill = cuda if args.prefill is None else args.prefill
+    args.layers = (32 if cuda else 1) if args.layers is None else args.layers
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1, got {args.layers}")
     if not cuda and args.quick:
         args.prefill_tokens = min(args.prefill_tokens, 64)
         args.warmup_ms, args.rep_ms = min(args.warmup_ms, 1.0), min(args.rep_ms, 1.0)
@@ -419,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             "rate": "bytes of K and V read per second, 2·B·L·Hkv·D·itemsize / time",
             "error": "first sequence vs float64 attention_ref",
             "graphs": "each backend captured in a CUDA graph when it allows (see `used`)",
+            "layers": f"per-layer time in a graph over distinct cache copies, up to {args.layers} layers within "
+                      f"{args.layers_gib:g} GiB (see `used`)",
         },
     }
     print(harness.disclosure_markdown(meta), flush=True)

@@ -1,0 +1,33 @@
+"""`ioattn bench decode` on the CPU: per-layer timing over distinct cache copies, and its layer count."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ioattn.bench import decode
+
+
+def test_layer_count_fits_the_copies_in_the_budget():
+    case = decode.Case("bfloat16", 64, 32, 8, 1024, 128)  # 256 MiB of K+V
+    assert decode.layer_count(case, SimpleNamespace(layers=32, layers_gib=8.0)) == 32
+    assert decode.layer_count(case, SimpleNamespace(layers=32, layers_gib=1.0)) == 4
+    assert decode.layer_count(case, SimpleNamespace(layers=32, layers_gib=0.1)) == 1  # at least the cache itself
+    assert decode.layer_count(case, SimpleNamespace(layers=1, layers_gib=8.0)) == 1
+
+
+def test_rows_are_per_layer_and_say_so(tmp_path):
+    assert decode.main(["--quick", "--layers", "3", "--batches", "1", "--seqlens", "64", "--backends",
+                        "ioattn-paged,ioattn-contiguous", "--no-prefill", "--warmup-ms", "1", "--rep-ms", "1",
+                        "--out", str(tmp_path)]) == 0
+    result = json.loads(next(tmp_path.glob("*-decode-cpu.json")).read_text())
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    assert {r["backend"] for r in rows} == {"ioattn-paged", "ioattn-contiguous"}
+    for row in rows:
+        assert row["extra"]["layers"] == 3 and "of 3 layers" in row["used"]
+        assert row["error"] < 1e-5
+
+
+def test_layers_must_be_positive():
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--layers", "0"])
