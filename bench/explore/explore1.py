@@ -21,7 +21,7 @@ import torch
 
 import ioattn  # noqa: F401
 from ioattn.bench import harness
-from ioattn.bench.decode import _block_table, _graphed
+from ioattn.bench.decode import _block_table, _graphed, chunked_prefill_inputs
 from ioattn.ops.paged import PagedConfig, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import attention_ref, rel_error
 
@@ -150,20 +150,12 @@ def prefill_section(configs=None):
     hq, hkv, d, new, ctx, page = (4, 2, 64, 64, 64, 16) if TINY else (32, 8, 128, 4096, 4096, 16)
     total = new + ctx
     torch.manual_seed(5)
-    q = torch.randn(1, new, hq, d, dtype=BF16, device=DEV)
-    k = torch.randn(1, total, hkv, d, dtype=BF16, device=DEV)
-    v = torch.randn_like(k)
+    inputs = chunked_prefill_inputs(hq, hkv, d, new, ctx, page, BF16, DEV)
+    q, k, v, k_cache, v_cache, table = inputs.q, inputs.k, inputs.v, inputs.k_cache, inputs.v_cache, inputs.table
+    cu, lens = inputs.cu_seqlens_q, inputs.seq_lens
     rows = min(new, 256)
     ref = attention_ref(q[:, -rows:], k, v, causal=True)[0]
     flops = harness.attention_flops(1, hq, new, total, d, causal=True)
-    blocks = total // page
-    table = _block_table(1, blocks, True, DEV)
-    k_cache = torch.empty(blocks, page, hkv, d, dtype=BF16, device=DEV)
-    v_cache = torch.empty_like(k_cache)
-    k_cache[table[0].long()] = k[0].view(blocks, page, hkv, d)
-    v_cache[table[0].long()] = v[0].view(blocks, page, hkv, d)
-    cu = torch.tensor([0, new], dtype=torch.int32, device=DEV)
-    lens = torch.tensor([total], dtype=torch.int32, device=DEV)
     C = PagedConfig
     default_configs = {
         "base_m128n64w8s2": C(128, 64, 8, 2),

@@ -250,7 +250,7 @@ def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, 
     extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block,
              "layers": layers}
     add(name, forward, lambda: out[0], f"paged_attention block {block}, {plan.num_splits} splits", extra)
-    del forward  # the layer copies
+    del forward  # its layer copies, before the tuning trials and the peers allocate theirs
     restore()
     if args.tune and name == "ioattn-paged":
         extra["tuning"] = tune(case, *inputs, ref, args, layers)
@@ -291,6 +291,38 @@ def tune(case: Case, q, k, v, lens, ref, args, layers: int = 1) -> list[dict[str
     return _rank(trials, run_trial, TOLERANCE[q.dtype])
 
 
+@dataclass
+class PrefillInputs:
+    """One sequence appending `new` tokens to `context` cached ones: dense q (1, new, Hq, D) and k/v
+    (1, new + context, Hkv, D), and the same keys and values in a pool of `page`-token blocks in shuffled
+    order, with its block table, cu_seqlens_q and seq_lens."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def chunked_prefill_inputs(heads_q: int, heads_kv: int, head_dim: int, new: int, context: int, page: int,
+                           dtype: torch.dtype, device) -> PrefillInputs:
+    total = new + context
+    q = torch.randn(1, new, heads_q, head_dim, dtype=dtype, device=device)
+    k = torch.randn(1, total, heads_kv, head_dim, dtype=dtype, device=device)
+    v = torch.randn(1, total, heads_kv, head_dim, dtype=dtype, device=device)
+    blocks = total // page
+    table = _block_table(1, blocks, True, device)
+    k_cache = torch.empty(blocks, page, heads_kv, head_dim, dtype=dtype, device=device)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[table[0].long()] = k[0].view(blocks, page, heads_kv, head_dim)
+    v_cache[table[0].long()] = v[0].view(blocks, page, heads_kv, head_dim)
+    return PrefillInputs(q, k, v, k_cache, v_cache, table, torch.tensor([0, new], dtype=torch.int32, device=device),
+                         torch.tensor([total], dtype=torch.int32, device=device))
+
+
 def run_prefill(args, ceilings) -> list[Row]:
     """4k new tokens on a 4k paged context vs the dense forward at Nq 4k, Nk 8k."""
     import ioattn
@@ -300,20 +332,12 @@ def run_prefill(args, ceilings) -> list[Row]:
     new, context, d = args.prefill_tokens, args.prefill_tokens, args.head_dim
     total = new + context
     case = {"B": 1, "L": total, "heads": f"{hq}/{hkv}", "D": d, "dtype": args.dtype, "Nq": new}
-    q = torch.randn(1, new, hq, d, dtype=dtype, device=device)
-    k = torch.randn(1, total, hkv, d, dtype=dtype, device=device)
-    v = torch.randn(1, total, hkv, d, dtype=dtype, device=device)
+    inputs = chunked_prefill_inputs(hq, hkv, d, new, context, PAGED_BLOCK, dtype, device)
+    q, k, v, k_cache, v_cache, table = inputs.q, inputs.k, inputs.v, inputs.k_cache, inputs.v_cache, inputs.table
+    cu, lens = inputs.cu_seqlens_q, inputs.seq_lens
     rows_ref = min(new, 256)
     ref, _ = attention_ref(q[:, -rows_ref:], k, v, causal=True)
     flops = harness.attention_flops(1, hq, new, total, d, causal=True)
-    blocks = total // PAGED_BLOCK
-    table = _block_table(1, blocks, True, device)
-    k_cache = torch.empty(blocks, PAGED_BLOCK, hkv, d, dtype=dtype, device=device)
-    v_cache = torch.empty_like(k_cache)
-    k_cache[table[0].long()] = k[0].view(blocks, PAGED_BLOCK, hkv, d)
-    v_cache[table[0].long()] = v[0].view(blocks, PAGED_BLOCK, hkv, d)
-    cu = torch.tensor([0, new], dtype=torch.int32, device=device)
-    lens = torch.tensor([total], dtype=torch.int32, device=device)
     packed_q = q[0]
     plan = plan_paged_attention(packed_q, k_cache, table, decode=False, max_seqlen_q=new)
     runners = {
@@ -413,7 +437,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="distinct caches run back to back in one timed graph, as a model's layers (default 32 on "
                         "CUDA, 1 on the CPU; 1 times a lone call)")
     p.add_argument("--layers-gib", type=float, default=8.0,
-                   help="memory the layer copies may take; fewer layers where a case's K+V is larger")
+                   help="memory all layers' caches may take (the case's own included); fewer layers where a "
+                        "case's K+V is larger, never fewer than 1")
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     harness.add_run_args(p, budget_s=480.0, out_help="directory for <date>-decode-<device>.{json,md}")

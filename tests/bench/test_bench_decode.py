@@ -31,3 +31,14 @@ def test_rows_are_per_layer_and_say_so(tmp_path):
 def test_layers_must_be_positive():
     with pytest.raises(SystemExit):
         decode.parse_args(["--layers", "0"])
+
+
+def test_chunked_prefill_pool_holds_the_dense_keys_through_its_table():
+    import torch
+
+    inputs = decode.chunked_prefill_inputs(4, 2, 16, 24, 40, 16, torch.float32, "cpu")
+    assert inputs.q.shape == (1, 24, 4, 16) and inputs.k.shape == (1, 64, 2, 16)
+    for cache, dense in ((inputs.k_cache, inputs.k), (inputs.v_cache, inputs.v)):
+        gathered = cache[inputs.table[0].long()].reshape(1, 64, 2, 16)
+        assert torch.equal(gathered, dense)
+    assert inputs.cu_seqlens_q.tolist() == [0, 24] and inputs.seq_lens.tolist() == [64]
