@@ -40,9 +40,16 @@ def sync():
         torch.cuda.empty_cache()
 
 
-def save():
-    with open(f"{OUT}/explore1.json", "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+def save_as(name: str):
+    """Make every section here write $OUT/<name>.json as it goes (the later scripts reuse these sections)."""
+    def save_results():
+        with open(f"{OUT}/{name}.json", "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+    globals()["save"] = save_results
+    return save_results
+
+
+save = save_as("explore1")
 
 
 def timed(fn, warmup=10, rep=40):

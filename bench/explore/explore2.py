@@ -17,13 +17,7 @@ from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 e1.RESULTS["name"] = "explore2"
 
 
-def save():
-    import json
-    with open(f"{e1.OUT}/explore2.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore2")
 
 e1.DECODE_SHAPES = [(1, 512), (3, 256)] if e1.TINY else [(1, 32768), (1, 131072), (8, 32768), (64, 1024), (256, 1024),
                                                          (64, 4096)]

@@ -3,7 +3,6 @@
 PYTHONPATH=. python3 bench/explore/explore3.py; writes $OUT/explore3.json.
 Results: bench/results/2026-12-01-explore3-h200.json.
 """
-import json
 import os
 import sys
 import time
@@ -16,12 +15,7 @@ import explore1 as e1  # noqa: E402
 from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore3.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore3")
 e1.DECODE_SHAPES = [(3, 256)] if e1.TINY else [(64, 1024), (64, 4096), (8, 4096), (8, 32768), (1, 32768)]
 e1.decode_configs = lambda: {"base": C(16, 64, 4, 2)}
 e1.SPLIT_SWEEP_CONFIGS = ("base",)

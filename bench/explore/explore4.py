@@ -1,7 +1,6 @@
 """Device exploration 4: the committed decode kernel timed the explore way (scatter into a fresh pool) and the
 `ioattn bench decode` way (the pool is the K/V tensor itself, shuffled in place), at the rows where the two
 disagreed. PYTHONPATH=. python3 bench/explore/explore4.py; writes $OUT/explore4.json."""
-import json
 import os
 import sys
 
@@ -14,12 +13,7 @@ from ioattn.bench.decode import Case, _ioattn_runner  # noqa: E402
 from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore4.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore4")
 e1.DECODE_SHAPES = [(3, 256)] if e1.TINY else [(64, 4096), (64, 1024), (256, 1024), (1, 32768), (8, 32768)]
 e1.decode_configs = lambda: {"base": C(16, 64, 4, 2), "r128": C(16, 64, 4, 2, maxnreg=128)}
 e1.SPLIT_SWEEP_CONFIGS = ()

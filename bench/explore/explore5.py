@@ -1,6 +1,5 @@
 """Device exploration 5: register-capped forward tiles at the D=64, N=2048 bar rows, with FlexAttention in the
 same run. PYTHONPATH=. python3 bench/explore/explore5.py; writes $OUT/explore5.json."""
-import json
 import os
 import sys
 
@@ -10,12 +9,7 @@ import explore1 as e1  # noqa: E402
 from ioattn.kernels.prefill_fwd import FwdConfig as F  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore5.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore5")
 e1.WITH_FLEX = not e1.TINY
 CASES = [(64, 128, c, [F(32, 32, 4, 1, maxnreg=128)]) for c in (False, True)] if e1.TINY else [
     (64, 2048, False, [F(128, 64, 4, 3, tma=False), F(128, 64, 4, 3, maxnreg=168), F(128, 64, 4, 3, tma=False, maxnreg=168),

@@ -4,7 +4,6 @@ the default, so each kernel's share of the time shows as a difference. The candi
 (registers x threads <= 32k and shared memory <= 113 KB in offline sm_90 builds) or drop the default's spills.
 PYTHONPATH=. python3 bench/explore/explore6.py; writes $OUT/explore6.json (results:
 bench/results/2026-12-01-s4-explore6-h200.json, run before the dQ kernel took over the row statistics)."""
-import json
 import os
 import sys
 
@@ -14,12 +13,7 @@ import explore1 as e1  # noqa: E402
 from ioattn.kernels.prefill_bwd import BwdConfig as B  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore6.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore6")
 DEFAULT = B(128, 64, 128, 64, 8, 3, False)
 DKDV = [B(128, 32, 128, 64, 8, 3, False, 8, 3), B(64, 32, 128, 64, 4, 2, False, 8, 3),
         B(64, 32, 128, 64, 4, 3, False, 8, 3), B(64, 16, 128, 64, 4, 3, False, 8, 3),

@@ -6,7 +6,6 @@ The recorded run also timed a variant since removed: the dQ kernel launched with
 into the dK/dV kernel's tail (rows ending in "pdl"). It gained 0-2% and failed its exactness check once (D=64,
 dq error 5e-2, dv 1e19): the two kernels overlapped while Triton's device-side descriptor scratch, freed by
 the first launch, was handed to the second by the caching allocator."""
-import json
 import os
 import sys
 
@@ -16,12 +15,7 @@ import explore1 as e1  # noqa: E402
 from ioattn.kernels.prefill_bwd import BwdConfig as B  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore7.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore7")
 CONFIGS = {
     128: [B(128, 64, 128, 64, 8, 3, False), B(64, 64, 128, 64, 4, 2, False, 8, 3)],
     64: [B(64, 64, 64, 64, 4, 3, False)],

@@ -5,7 +5,6 @@ $OUT/explore8.json (results: bench/results/2026-12-01-s4-explore8-h200.json).
 The recorded run also timed a variant since removed: pointer loads for the dK/dV kernel's resident K/V
 ("resident=pointers"): slower by 0-3% where it compiled, and ptxas crashed (error -11) on the non-causal
 build."""
-import json
 import os
 import sys
 
@@ -15,12 +14,7 @@ import explore1 as e1  # noqa: E402
 from ioattn.kernels.prefill_bwd import BwdConfig as B  # noqa: E402
 
 
-def save():
-    with open(f"{e1.OUT}/explore8.json", "w") as f:
-        json.dump(e1.RESULTS, f, indent=1, default=str)
-
-
-e1.save = save
+save = e1.save_as("explore8")
 CONFIGS = {128: [B(64, 64, 128, 64, 4, 2, False, 8, 3), B(64, 64, 64, 64, 4, 2, False, 4, 2),
                  B(64, 64, 128, 32, 4, 2, False, 8, 4)]}
 SHAPES = [(128, n, c) for n in (2048, 4096, 16384) for c in (False, True)]
