@@ -24,7 +24,8 @@ def _merge(lse, o):
     return merged, merged_lse
 
 
-@triton.jit
+# The split count and the strides that scale with the token count vary per call: no specialisation on them.
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_qs", "stride_lt", "stride_lh"])
 def combine_splits_kernel(
     Partial_out, Partial_lse, Out, Lse, num_splits,
     stride_ps, stride_pt, stride_ph,

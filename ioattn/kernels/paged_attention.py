@@ -92,10 +92,14 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
     return acc, m_i, l_i
 
 
-# Per-call values (split count, tiles per sequence, windows) would otherwise each compile a specialisation
-# (== 1, % 16) in the middle of serving.
+# Per-call values (split count, tiles per sequence, windows, the table width, the strides that scale with the
+# number of query tokens, and the alignment of the per-sequence arrays, which an engine passes as row slices of
+# one batch) would otherwise each compile a specialisation (== 1, % 16) in the middle of serving: an engine step
+# of 686 tokens after steps of 2048 stalled 2-3 s on an H200 compiling one (the packed LSE's head stride is the
+# token count; a slice seq_lens[n:] is 16-byte aligned only when 4 divides n).
 @triton.jit(do_not_specialize=["window_left", "window_right", "sink_tokens", "num_splits", "q_tiles_per_seq",
-                               "stride_table"])
+                               "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
+            do_not_specialize_on_alignment=["Block_table", "Seq_lens", "Cu_seqlens_q"])
 def paged_attention_kernel(
     Q, K_cache, V_cache, Block_table, Seq_lens, Cu_seqlens_q, Out, Lse,
     stride_qt, stride_qh,

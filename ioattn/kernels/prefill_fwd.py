@@ -135,8 +135,10 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-# sequence lengths and window bounds vary per call: specializing on them (== 1, % 16) would only recompile
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
+# sequence lengths, window bounds and the strides that scale with them (the packed LSE's head stride is the
+# token count) vary per call: specializing on them (== 1, % 16) would only recompile
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "stride_ob", "stride_lb",
+                               "stride_lh", "stride_ln"])
 def prefill_fwd_kernel(
     Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv,

@@ -304,9 +304,22 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
     """The plan a call with these arguments would run (nothing runs). str() of the result reads well.
 
     `api` is "flash_attn" (q/k/v (B, N, H, D); kwargs of flash_attn_func), "varlen" (packed; kwargs of
-    flash_attn_varlen_func) or "sdpa" ((B, H, N, D); kwargs of sdpa). When omitted it is inferred: varlen when
-    cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale / enable_gqa is given.
+    flash_attn_varlen_func), "sdpa" ((B, H, N, D); kwargs of sdpa) or "paged" (k, v are the caches; kwargs of
+    paged_attention: block_table, seq_lens, ...; returns the `PagedPlan`). When omitted it is inferred: paged when
+    block_table is given, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale /
+    enable_gqa is given.
     """
+    if api is None and "block_table" in kwargs:
+        api = "paged"
+    if api == "paged":
+        from ioattn.ops.paged import explain_paged
+
+        if backend != "auto":
+            raise ValueError(f"backend={backend!r}: paged attention has one implementation (leave backend='auto')")
+        missing = [name for name in ("block_table", "seq_lens") if name not in kwargs]
+        if missing:
+            raise ValueError(f"api='paged' needs {' and '.join(missing)} (the arguments of paged_attention)")
+        return explain_paged(q, k, v, **kwargs)
     if api is None:
         if "cu_seqlens_q" in kwargs:
             api = "varlen"
@@ -328,7 +341,7 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
         inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
                                       kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))
     else:
-        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa' (or None to infer), got {api!r}")
+        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged' (or None to infer), got {api!r}")
     if kwargs:
         raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
     return plan(inputs, backend, deterministic=deterministic)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
-from ioattn.kernels.cache_ops import reshape_and_cache_kernel
+from ioattn.kernels.cache_ops import gather_cache_kernel, reshape_and_cache_kernel
 from ioattn.kernels.combine import combine_splits_kernel, merge_states_kernel
 from ioattn.kernels.paged_attention import paged_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
@@ -29,19 +29,31 @@ from ioattn.ops.checks import (
 MAX_BLOCK_SIZE = 256
 
 # Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
-# When that leaves SMs idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
+# When that leaves SM slots idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
 # programs hide each other's load latency: each program overlaps little of its own, see
 # ioattn/kernels/paged_attention.py), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (below that the
 # combine pass and the partial writes cost more than the parallelism gains) and never more than MAX_SPLITS.
-# H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json and -explore3-h200.json): B=1
-# L=32k reads 2.55 TB/s at 48-64 splits against 2.43 at 33 (the former target of 2 programs per SM); B=8 L=32k
-# 4.09 at 8 splits against 3.76 at 5; splitting a batch that already fills the SMs only loses (B=64 L=1k: 3.36
+# H200, bf16, D=128 (bench/results/2026-12-01-explore2-h200.json, -explore3-h200.json, -s5-explore10-h200.json):
+# 32/8 heads B=1 L=32k reads 2.55 TB/s at 48-64 splits against 2.43 at 33 (the former target of 2 programs per
+# SM); B=8 L=32k 4.09 at 8 splits against 3.76 at 5; 32/32 heads B=8 L=16k (256 programs, half the 528 slots)
+# 4.36 at 2 splits against 3.61 unsplit; a batch that already fills the slots only loses (B=64 L=1k: 3.36
 # unsplit, 3.06 with 2 splits).
 # The context length used is the block table's capacity, block_table.shape[1] * block_size: a host number, so
 # choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
 PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 64
+
+# Multi-token queries (chunked prefill, prefix-cache hits): with many query tokens per sequence it pays to
+# gather the context through the block table into a packed buffer and run the dense varlen forward (TMA tiles,
+# its tuned table) instead of the paged kernel's per-page pointer gathers. The gather reads and writes K/V once
+# (4 x context x Hkv x D elements) while the attention does 4 x q_len x context x Hq x D FLOPs, so the gather's
+# share falls as q_len x Hq / Hkv grows: it is taken when the mean query tokens per sequence times the GQA group
+# reaches GATHER_MIN_GROUP_ROWS. H200, bf16, 32/8 heads, D=128, 4k new tokens on a 4k context, page 16
+# (bench/results/2026-12-01-s5-explore10-h200.json): paged kernel 1091 us, gather + dense varlen 844 us (the
+# gather alone 26 us), the dense forward on contiguous K/V 836 us. Only without a window and sinks: a sink + window eviction marks table entries -1,
+# which the paged kernel skips and the gathered path would read as zero keys.
+GATHER_MIN_GROUP_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -101,12 +113,23 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_num_splits(programs: int, max_context: int, sm_count: int) -> int:
     """The num_splits=0 heuristic (see the constants above). Rounds down: programs of equal length that spill
-    into a second wave leave the GPU mostly idle for it (B=8 L=32k: 4.09 TB/s at 8 splits, 3.5 at 9)."""
-    if programs >= sm_count:
-        return 1
-    wanted = PROGRAMS_PER_SM * sm_count // programs
+    into a second wave leave the GPU mostly idle for it (B=8 L=32k: 4.09 TB/s at 8 splits, 3.5 at 9); a grid
+    that already fills PROGRAMS_PER_SM slots per SM gets 1."""
+    wanted = PROGRAMS_PER_SM * sm_count // max(programs, 1)
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def choose_gather(num_tokens: int, batch: int, group: int, window_left: int, sink_tokens: int) -> tuple[bool, str]:
+    """Whether a multi-token call gathers its context and runs the dense forward (see GATHER_MIN_GROUP_ROWS)."""
+    if window_left >= 0 or sink_tokens > 0:
+        return False, "a window or sinks (evicted blocks must stay unread): paged kernel"
+    rows = num_tokens * group / max(batch, 1)
+    if rows >= GATHER_MIN_GROUP_ROWS:
+        return True, (f"{num_tokens / max(batch, 1):.0f} query tokens per sequence x group {group} >= "
+                      f"{GATHER_MIN_GROUP_ROWS}: gather + dense forward")
+    return False, (f"{num_tokens / max(batch, 1):.0f} query tokens per sequence x group {group} < "
+                   f"{GATHER_MIN_GROUP_ROWS}: paged kernel")
 
 
 @dataclass
@@ -135,6 +158,17 @@ class PagedPlan:
     rows: int  # BLOCK_M
     tokens_per_tile: int
     q_tiles_per_seq: int
+    gather: bool = False  # multi-token only: gather the context, then the dense varlen forward
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.gather:
+            return f"gather the paged context + dense varlen forward ({self.reason})"
+        launch = (f"paged_attention_kernel BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
+                  f"num_warps={self.config.num_warps} num_stages={self.config.num_stages}"
+                  + ("" if self.config.maxnreg is None else f" maxnreg={self.config.maxnreg}"))
+        splits = f", {self.num_splits} splits + combine" if self.num_splits > 1 else ", no split"
+        return launch + splits + (f" ({self.reason})" if self.reason else "")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -160,9 +194,27 @@ def _check_int32_vector(name: str, t: torch.Tensor, length: int, device: torch.d
 
 
 def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
-                         config: PagedConfig | None = None, workspace: PagedWorkspace | None = None) -> PagedPlan:
-    """Choose tiles and the split count for a call (pure host arithmetic on shapes)."""
+                         config: PagedConfig | None = None, workspace: PagedWorkspace | None = None,
+                         window_left: int = -1, sink_tokens: int = 0, gather: bool | None = None) -> PagedPlan:
+    """Choose the path, tiles and split count for a call (pure host arithmetic on shapes); str() explains it.
+
+    gather (multi-token queries): None decides by `choose_gather` (never with an explicit `config`, which is for
+    tuning the paged kernel), True / False force it."""
     head_dim, group = q.shape[-1], q.shape[-2] // k_cache.shape[2]
+    if not decode:
+        if gather is None and config is None and num_splits <= 1:
+            use, why = choose_gather(q.shape[0], block_table.shape[0], group, window_left, sink_tokens)
+        elif gather is None:
+            use, why = False, "explicit config or num_splits > 1: paged kernel"
+        else:
+            use, why = bool(gather), f"gather={bool(gather)} requested"
+        if use:
+            _require(window_left < 0 and sink_tokens == 0,
+                     "gather=True needs window_size[0] == -1 and sink_tokens == 0 (evicted blocks must stay unread)")
+            return PagedPlan(config or default_config(decode=False, head_dim=head_dim, dtype=q.dtype), 1, 0, 0, 0,
+                             True, why)
+    else:
+        why = ""
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype)
     if decode:
         rows, tokens = max(16, next_power_of_2(group)), 1
@@ -177,7 +229,21 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    return PagedPlan(config, num_splits, rows, tokens, q_tiles)
+    return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why)
+
+
+def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True,
+                  window_size=(-1, -1), sink_tokens=0, num_splits=0, workspace=None, config=None,
+                  gather=None) -> PagedPlan:
+    """The plan `paged_attention` would run with these arguments (nothing runs); str() says what and why.
+    `ioattn.explain(q, k_cache, v_cache, block_table=..., seq_lens=..., ...)` lands here."""
+    decode = cu_seqlens_q is None
+    if not decode and max_seqlen_q is None:
+        max_seqlen_q = int(cu_seqlens_q.diff().max().item()) if cu_seqlens_q.numel() > 1 else 0
+    left, _ = normalized_window(window_size, causal)
+    return plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=1 if decode else max_seqlen_q,
+                                num_splits=num_splits, config=config, workspace=workspace, window_left=left,
+                                sink_tokens=sink_tokens, gather=gather)
 
 
 def paged_attention(
@@ -198,6 +264,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     workspace: PagedWorkspace | None = None,
     config: PagedConfig | None = None,
+    gather: bool | None = None,
 ):
     """Attention of new queries against a paged KV cache (split-KV / Flash-Decoding).
 
@@ -212,6 +279,9 @@ def paged_attention(
     num_splits: 0 picks it (see `choose_num_splits`), 1 disables splitting. Splits > 1 need float32 scratch:
     `workspace` (see `paged_workspace`), else it is allocated for this call. `out` receives the output if given.
     `config` (a `PagedConfig`) overrides the tiles and launch parameters of `default_config`, for tuning.
+    Multi-token calls with many query tokens per sequence gather the context into a packed buffer and run the
+    dense varlen forward (see `choose_gather`; `gather=True/False` forces it, `plan_paged_attention` says which
+    path a call takes). The gathered buffer holds batch x block_table.shape[1] x block_size rows of K and V.
     Returns out shaped like q, and with return_lse the natural-log LSE in float32: (B, Hq) for decode,
     (Hq, total_q) for packed queries (flash-attn varlen). Rows that see no key (e.g. seq_len 0) give 0 and -inf.
     """
@@ -250,12 +320,18 @@ def paged_attention(
              f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
     scale = softmax_scale_or_default(softmax_scale, head_dim)
 
+    _require(gather in (None, True, False), f"gather must be None, True or False, got {gather!r}")
     plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
-                                num_splits=num_splits, config=config, workspace=workspace)
+                                num_splits=num_splits, config=config, workspace=workspace, window_left=left,
+                                sink_tokens=sink_tokens, gather=gather)
+    if out is not None:
+        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+                 f"out must match q's shape and dtype with stride(-1) == 1, got {out.dtype} {tuple(out.shape)}")
+    if plan.gather and num_tokens and batch:
+        return _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
+                                   (left, right), scale, out, return_lse)
     if out is None:
         out = torch.empty_like(q)
-    _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-             f"out must match q's shape and dtype with stride(-1) == 1, got {out.dtype} {tuple(out.shape)}")
     # LSE is stored [token, head]; the packed layout (Hq, total_q) is the same buffer read transposed.
     lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if decode else \
         torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device).t()
@@ -302,6 +378,49 @@ def paged_attention(
     if not return_lse:
         return out
     return out, lse if decode else lse.t()
+
+
+def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's first seq_lens[b] cached K/V, through its block table, packed at rows cu_seqlens_k[b]...
+    of two new (capacity, num_kv_heads, D) tensors (rows past the last sequence are left unwritten). A table
+    entry < 0 is never read; its positions come out as zeros."""
+    batch, width = block_table.shape
+    page, kv_heads, head_dim = k_cache.shape[1:]
+    k_out = torch.empty(capacity, kv_heads, head_dim, dtype=k_cache.dtype, device=k_cache.device)
+    v_out = torch.empty_like(k_out)
+    block_d = next_power_of_2(head_dim)
+    block_t = 32
+    block_h = max(1, min(next_power_of_2(kv_heads), 4096 // (block_t * block_d)))
+    if capacity == 0 or width == 0 or batch == 0:
+        return k_out, v_out
+    gather_cache_kernel[(cdiv(width * page, block_t), batch)](
+        k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, k_out, v_out,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), k_out.stride(0), k_out.stride(1), kv_heads,
+        HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, PAGE=page,
+    )
+    return k_out, v_out
+
+
+def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, window, scale,
+                        out, return_lse):
+    """The gather path of a multi-token call: packed context, then the dense varlen forward (bottom-right
+    causal per sequence: query i of sequence b at position seq_lens[b] - q_len_b + i, as the paged kernel)."""
+    from ioattn.ops.attention import flash_attn_varlen_func
+
+    batch, width = block_table.shape
+    capacity = batch * width * k_cache.shape[1]  # a host bound on sum(seq_lens): no synchronisation
+    cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
+    keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity)
+    result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         width * k_cache.shape[1], causal=False, window_size=window, softmax_scale=scale, return_lse=True,
+                                         backend="triton")
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result
 
 
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor):

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ioattn.ops.paged import merge_states, paged_attention, reshape_and_cache
+from ioattn.ops.paged import gather_cache, merge_states, paged_attention, reshape_and_cache
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis tests cannot take function-scoped fixtures
@@ -56,7 +56,7 @@ def reference(q, k_cache, v_cache, table, seq_lens, q_lens, **rules):
 
 
 def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
-             num_splits=1, window_size=(-1, -1), sink_tokens=0, shared_prefix_blocks=0):
+             num_splits=1, window_size=(-1, -1), sink_tokens=0, shared_prefix_blocks=0, gather=None):
     """Build a case, run the kernel on a NaN-poisoned output, check output and LSE; returns (out, lse)."""
     k_cache, v_cache, table = make_paged_cache(seq_lens, page=page, kv_heads=kv_heads, head_dim=head_dim,
                                                dtype=dtype, device=device, shared_prefix_blocks=shared_prefix_blocks)
@@ -68,7 +68,7 @@ def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head
     out = torch.full_like(q, float("nan"))
     rules = dict(window_size=window_size, sink_tokens=sink_tokens)
     _, lse = paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                             num_splits=num_splits, return_lse=True, out=out, **rules, **extra)
+                             num_splits=num_splits, return_lse=True, out=out, gather=gather, **rules, **extra)
     ref_out, ref_lse = reference(q, k_cache, v_cache, table, seq_lens, lens, **rules)
     assert lse.dtype == torch.float32
     assert lse.shape == ((len(seq_lens), heads) if decode else (heads, len(q)))
@@ -133,6 +133,47 @@ def test_multi_token_queries(data, group, page, dtype, num_splits):
     run_case(DEVICE, seq_lens=seq_lens, q_lens=q_lens, page=page, heads=group, kv_heads=1, dtype=dtype,
              num_splits=num_splits)
 
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), group=st.sampled_from([1, 4, 8]), page=st.sampled_from([1, 4, 16]),
+       head_dim=st.sampled_from([64, 72]), dtype=st.sampled_from([torch.float16, torch.float32]))
+def test_gathered_context_path_matches_reference(data, group, page, head_dim, dtype):
+    # gather=True: the context is packed through the block table and the dense varlen forward runs over it (the
+    # default for long chunks); zero-length sequences, zero-length chunks and whole-sequence chunks included.
+    seq_lens = data.draw(st.lists(st.integers(0, 70), min_size=1, max_size=3))
+    q_lens = [data.draw(st.sampled_from([0, 1, n // 2, n])) if n else 0 for n in seq_lens]
+    run_case(DEVICE, seq_lens=seq_lens, q_lens=q_lens, page=page, heads=2 * group, kv_heads=2, head_dim=head_dim,
+             dtype=dtype, gather=True)
+
+
+def test_gathered_path_refuses_windows_and_sinks(device):
+    for rules in (dict(window_size=(8, -1)), dict(sink_tokens=2)):
+        with pytest.raises(ValueError, match="gather=True"):
+            run_case(device, seq_lens=[20], q_lens=[5], gather=True, **rules)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_gather_cache_packs_each_sequence_and_zeroes_evicted_blocks(device, page):
+    seq_lens = [37, 0, 5, 16]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, page=page, kv_heads=3, head_dim=40, dtype=torch.float16,
+                                               device=device)
+    evicted = table[0, 1].item()
+    table[0, 1] = -1
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    cu = torch.tensor([0] + seq_lens, device=device).cumsum(0).to(torch.int32)
+    capacity = sum(seq_lens) + 7
+    keys, values = gather_cache(k_cache, v_cache, table, lens, cu, capacity)
+    assert keys.shape == (capacity, 3, 40) and keys.dtype == torch.float16
+    table[0, 1] = evicted
+    for b, n in enumerate(seq_lens):
+        start = cu[b].item()
+        want_k, want_v = gather(k_cache, table[b], n).clone(), gather(v_cache, table[b], n).clone()
+        if b == 0:  # positions of the evicted block read as zeros
+            want_k[page : 2 * page] = 0
+            want_v[page : 2 * page] = 0
+        assert torch.equal(keys[start : start + n], want_k)
+        assert torch.equal(values[start : start + n], want_v)
 
 
 @pytest.mark.parametrize("page, q_lens", [(4, None), (16, None), (4, [6, 1]), (16, [6, 1])])
@@ -225,3 +266,35 @@ def test_bf16_on_gpu(heads, kv_heads, head_dim, page, num_splits):
              dtype=torch.bfloat16, num_splits=num_splits)
     run_case("cuda", seq_lens=seq_lens, q_lens=[300, 17, 0, 1, 513], page=page, heads=heads, kv_heads=kv_heads,
              head_dim=head_dim, dtype=torch.bfloat16, num_splits=num_splits, window_size=(256, -1), sink_tokens=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (8, 8, 64), (28, 4, 256), (12, 4, 72)])
+@pytest.mark.parametrize("page", [1, 16, 128])
+@pytest.mark.parametrize("gather", [None, True, False])
+def test_bf16_chunked_prefill_on_gpu(heads, kv_heads, head_dim, page, gather):
+    # Long chunks on long contexts (the gathered path by default), a one-token chunk and an empty sequence.
+    seq_lens = [4096, 17, 0, 2048, 1500]
+    run_case("cuda", seq_lens=seq_lens, q_lens=[2048, 17, 0, 1, 1500], page=page, heads=heads, kv_heads=kv_heads,
+             head_dim=head_dim, dtype=torch.bfloat16, num_splits=1 if gather is not False else 0, gather=gather)
+
+
+@pytest.mark.gpu
+def test_row_slices_and_token_counts_reuse_one_compiled_kernel():
+    # An engine passes each step's rows as slices of one batch (seq_lens[n:], block_table[n:]) and its token count
+    # changes every step: neither may compile a new specialisation mid-serving (it stalls for seconds).
+    from ioattn.kernels.paged_attention import paged_attention_kernel
+
+    seq_lens = [300, 40, 200, 96, 64, 513]
+    k_cache, v_cache, table = make_paged_cache(seq_lens, page=16, kv_heads=2, head_dim=64, dtype=torch.bfloat16,
+                                               device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    kernel_cache = paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    sizes = []
+    for first, q_lens in ((0, [16, 40, 200, 96, 64, 512]), (1, [33, 7, 96, 1, 2]), (3, [5, 3, 9])):
+        q = torch.randn(sum(q_lens), 4, 64, dtype=torch.bfloat16, device="cuda")
+        cu = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+        paged_attention(q, k_cache, v_cache, table[first:], lens[first:], cu_seqlens_q=cu, max_seqlen_q=max(q_lens),
+                        gather=False, num_splits=1)
+        sizes.append(len(kernel_cache))
+    assert sizes[1:] == sizes[:1] * 2, sizes

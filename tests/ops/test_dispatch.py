@@ -46,6 +46,8 @@ def test_explain_infers_the_api():
                           max_seqlen_k=6, backend="triton")
     assert plan.backend == "triton"
     with pytest.raises(ValueError, match="api must be one of"):
+        ioattn.explain(*qkv(), api="blocks")
+    with pytest.raises(ValueError, match="block_table and seq_lens"):
         ioattn.explain(*qkv(), api="paged")
     with pytest.raises(ValueError, match="unexpected keyword arguments"):
         ioattn.explain(*qkv(), dropout_p=0.1)

@@ -11,7 +11,8 @@ import torch
 import ioattn
 from ioattn.ops import paged
 from ioattn.ops.paged import (
-    MAX_SPLITS, PagedConfig, candidate_configs, choose_num_splits, paged_attention, paged_workspace,
+    GATHER_MIN_GROUP_ROWS, MAX_SPLITS, PagedConfig, candidate_configs, choose_gather, choose_num_splits,
+    paged_attention, paged_workspace, plan_paged_attention,
 )
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
@@ -104,8 +105,11 @@ def test_bad_arguments_raise_value_error_naming_them(device):
 
 def test_split_heuristic():
     h200_sms = 132
-    # Enough (sequence, KV head) programs for the GPU: no split.
+    # Enough (sequence, KV head) programs to fill four slots per SM: no split.
     assert choose_num_splits(programs=64 * 8, max_context=8192, sm_count=h200_sms) == 1
+    assert choose_num_splits(programs=256 * 8, max_context=8192, sm_count=h200_sms) == 1
+    # B = 8, 32 KV heads: 256 programs fill half the 528 slots, so two splits (more than one per SM).
+    assert choose_num_splits(programs=8 * 32, max_context=16384, sm_count=h200_sms) == 2
     # B = 1, 8 KV heads, 32k context: split towards four programs per SM, capped at 512 keys per split (64).
     assert choose_num_splits(programs=8, max_context=32768, sm_count=h200_sms) == 64
     # B = 8, 8 KV heads, 32k context: at most four programs per SM, one wave (8 splits of 4k keys).
@@ -114,6 +118,35 @@ def test_split_heuristic():
     assert choose_num_splits(programs=8, max_context=1024, sm_count=h200_sms) == 2
     assert choose_num_splits(programs=1, max_context=1 << 20, sm_count=h200_sms) == MAX_SPLITS
     assert choose_num_splits(programs=1, max_context=16, sm_count=h200_sms) == 1
+
+
+def test_gather_heuristic_and_plan_text(device):
+    # 4k new tokens of one sequence, group 4: gathered; a decode-sized chunk or a window: the paged kernel.
+    assert choose_gather(4096, 1, 4, -1, 0)[0]
+    assert not choose_gather(64, 1, 4, -1, 0)[0]
+    assert choose_gather(GATHER_MIN_GROUP_ROWS, 1, 1, -1, 0)[0]
+    assert not choose_gather(GATHER_MIN_GROUP_ROWS - 1, 1, 1, -1, 0)[0]
+    assert not choose_gather(4096, 1, 4, 1024, 0)[0] and not choose_gather(4096, 1, 4, -1, 4)[0]
+    k_cache = torch.zeros(64, PAGE, KV_HEADS, HEAD_DIM, device=device)
+    table = torch.zeros(1, 64, dtype=torch.int32, device=device)
+    q = torch.zeros(256, HEADS, HEAD_DIM, device=device)
+    long_chunk = plan_paged_attention(q.repeat(4, 1, 1), k_cache, table, decode=False, max_seqlen_q=1024)
+    assert long_chunk.gather and "gather" in str(long_chunk)
+    short = plan_paged_attention(q[:8], k_cache, table, decode=False, max_seqlen_q=8)
+    assert not short.gather and "paged_attention_kernel" in str(short)
+    tuned = plan_paged_attention(q.repeat(4, 1, 1), k_cache, table, decode=False, max_seqlen_q=1024,
+                                 config=PagedConfig())
+    assert not tuned.gather  # an explicit config tunes the paged kernel
+    decode = plan_paged_attention(q[:1], k_cache, table, decode=True, max_seqlen_q=1)
+    assert "splits + combine" in str(decode) or "no split" in str(decode)
+    lens = torch.tensor([256], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 1024], dtype=torch.int32, device=device)
+    explained = ioattn.explain(q.repeat(4, 1, 1), k_cache, k_cache, block_table=table, seq_lens=lens,
+                               cu_seqlens_q=cu)
+    assert explained.gather and "gather + dense" in str(explained)
+    windowed = ioattn.explain(q.repeat(4, 1, 1), k_cache, k_cache, block_table=table, seq_lens=lens,
+                              cu_seqlens_q=cu, window_size=(64, -1))
+    assert not windowed.gather and "window" in str(windowed)
 
 
 def test_candidate_configs_are_correct(device):

@@ -1,0 +1,119 @@
+"""Device exploration 10: chunked prefill by gathering the paged context into a packed buffer and running the
+dense varlen forward, against the paged kernel and the dense forward (4k new tokens on a 4k context, 32/8
+heads, D=128, page 16); and split counts for 32/32-head decode at B=8 (per-layer time over 32 cache copies).
+
+PYTHONPATH=. python3 bench/explore/explore10.py; writes $OUT/explore10.json (results:
+bench/results/2026-12-01-s5-explore10-h200.json; its "gather" row is the torch index_select the script used,
+the library's path uses `gather_cache`). On a CPU: toy shapes.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import explore1 as e1  # noqa: E402
+
+import torch  # noqa: E402
+
+import ioattn  # noqa: E402
+from ioattn.bench.decode import _block_table, chunked_prefill_inputs  # noqa: E402
+from ioattn.ops.paged import paged_attention, paged_workspace  # noqa: E402
+from ioattn.reference import attention_ref, rel_error  # noqa: E402
+
+save = e1.save_as("explore10")
+DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
+
+
+def timed_layers(fn, layers):
+    ms, how = e1.timed(fn)
+    return ms / layers, how
+
+
+def prefill_section():
+    hq, hkv, d = (4, 2, 64) if TINY else (32, 8, 128)
+    new = 64 if TINY else 4096
+    inputs = chunked_prefill_inputs(hq, hkv, d, new, new, 16, BF16, DEV)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    table, cu, lens = inputs.table, inputs.cu_seqlens_q, inputs.seq_lens
+    total = 2 * new
+    rows_ref = min(new, 256)
+    ref, _ = attention_ref(q[:, -rows_ref:], k, v, causal=True)
+    flops = 4 * hq * new * total * d * 0.75
+    cu_k = torch.tensor([0, total], dtype=torch.int32, device=DEV)
+    flat_k = inputs.k_cache.view(-1, hkv, d)
+    flat_v = inputs.v_cache.view(-1, hkv, d)
+    slots = (table[0].long()[:, None] * 16 + torch.arange(16, device=DEV)[None, :]).reshape(-1)
+
+    def gather():
+        return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+
+    def gather_dense():
+        kk, vv = gather()
+        return ioattn.flash_attn_varlen_func(q[0], kk, vv, cu, cu_k, new, total, causal=True)
+
+    variants = {
+        "dense": (lambda: ioattn.flash_attn_func(q, k, v, causal=True), lambda o: o[:, -rows_ref:]),
+        "paged": (lambda: paged_attention(q[0], inputs.k_cache, inputs.v_cache, table, lens, cu_seqlens_q=cu,
+                                          max_seqlen_q=new), lambda o: o[None, -rows_ref:]),
+        "gather+dense": (gather_dense, lambda o: o[None, -rows_ref:]),
+        "gather": (gather, None),
+    }
+    for name, (fn, pick) in variants.items():
+        try:
+            err = rel_error(pick(fn()), ref) if pick else None
+            ms, how = e1.timed(fn)
+            e1.RESULTS["prefill"].append({"variant": name, "ms": ms, "tflops": flops / ms / 1e9, "error": err,
+                                          "how": how})
+            print("prefill", name, round(ms * 1e3, 1), "us", round(flops / ms / 1e9, 1), "TFLOP/s", err, flush=True)
+        except Exception as exc:  # noqa: BLE001
+            e1.record_error("prefill", name, exc)
+        save()
+
+
+def decode_section():
+    hq = hkv = 4 if TINY else 32
+    d = 64 if TINY else 128
+    layers = 2 if TINY else 32
+    for batch, length in ([(2, 256)] if TINY else [(8, 16384), (8, 32768)]):
+        k = torch.randn(batch, length, hkv, d, dtype=BF16, device=DEV)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
+        ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
+        kv_bytes = 2 * k.numel() * 2
+        blocks = length // 16
+        table = _block_table(batch, blocks, True, DEV)
+        k_cache = torch.empty(batch * blocks, 16, hkv, d, dtype=BF16, device=DEV)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[table.view(-1).long()] = k.view(batch * blocks, 16, hkv, d)
+        v_cache[table.view(-1).long()] = v.view(batch * blocks, 16, hkv, d)
+        del k, v
+        copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
+        for splits in (1, 2, 3, 4):
+            ws = paged_workspace(batch, hq, d, max_splits=splits, device=DEV)
+            out = torch.full_like(q, float("nan"))
+
+            def fwd(splits=splits, ws=ws, out=out):
+                for kc, vc in copies:
+                    paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits)
+                return out
+            try:
+                err = rel_error(fwd()[0], ref)
+                ms, how = timed_layers(fwd, layers)
+                e1.RESULTS["decode"].append({"B": batch, "L": length, "heads": f"{hq}/{hkv}", "splits": splits,
+                                             "us": ms * 1e3, "tbps": kv_bytes / ms / 1e9, "error": err, "how": how})
+                print("decode", batch, length, splits, round(ms * 1e3, 1), "us", round(kv_bytes / ms / 1e9, 2),
+                      "TB/s", err, flush=True)
+            except Exception as exc:  # noqa: BLE001
+                e1.record_error("decode", (batch, length, splits), exc)
+            save()
+        del copies
+        e1.sync()
+
+
+if __name__ == "__main__":
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "bench/explore/explore10.py")
+    e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(DEV, [BF16])
+    prefill_section()
+    decode_section()
+    save()
+    print(e1.RESULTS["errors"])
