@@ -141,6 +141,14 @@ def lay_out(batch: Batch, tables: np.ndarray, block_size: int) -> Layout:
     return Layout(positions, blocks.astype(np.int64) * block_size + positions % block_size, seq_lens, used)
 
 
+def _leading_single_tokens(num_tokens: list[int]) -> int:
+    """How many chunks at the front of the batch compute one token each."""
+    for i, n in enumerate(num_tokens):
+        if n != 1:
+            return i
+    return len(num_tokens)
+
+
 @dataclass
 class TokenFeed:
     """Input tokens still on the device: packed-batch token `rows[i]` is `source[source_rows[i]]` (the batch holds
@@ -165,10 +173,13 @@ class PagedContext:
     slot_mapping: torch.Tensor  # (T,) int64
     block_table: torch.Tensor  # (B, max_blocks) int32
     seq_lens: torch.Tensor  # (B,) int32: context length after this step
-    cu_seqlens_q: torch.Tensor | None  # (B + 1,) int32; None for a decode-only batch
+    cu_seqlens_q: torch.Tensor | None  # (B - decode_rows + 1,) int32; None for a decode-only batch
     max_seqlen_q: int
     window_sizes: tuple[tuple[int, int], ...]
     workspace: object | None = None
+    # Rows 0..decode_rows-1 hold one token each and attend as decodes; cu_seqlens_q / max_seqlen_q describe the
+    # rows after them (rebased to 0).
+    decode_rows: int = 0
     # CPU path: per sequence, the cache slots of positions 0..seq_len-1 and the query rows.
     context_slots: list[torch.Tensor] = field(default_factory=list)
     query_bounds: list[tuple[int, int]] = field(default_factory=list)
@@ -291,19 +302,23 @@ class ModelRunner:
         staging.array("positions", num_tokens, torch.int64)[:] = layout.positions
         staging.array("slot_mapping", num_tokens, torch.int64)[:] = layout.slots
         staging.array("seq_lens", num_rows, torch.int32)[:] = layout.seq_lens
+        # The leading one-token rows (the scheduler puts running decodes first) attend through the decode path;
+        # the rest as packed multi-token queries, whose grid then spans only their own query tiles.
+        decode_rows = num_rows if decode else _leading_single_tokens(batch.num_tokens)
         if not decode:
-            cu_seqlens = staging.array("cu_seqlens_q", num_rows + 1, torch.int32)
+            cu_seqlens = staging.array("cu_seqlens_q", num_rows - decode_rows + 1, torch.int32)
             cu_seqlens[0] = 0
-            np.cumsum(batch.num_tokens, out=cu_seqlens[1:])
+            np.cumsum(batch.num_tokens[decode_rows:], out=cu_seqlens[1:])
         ctx = PagedContext(
             slot_mapping=staging.upload("slot_mapping", num_tokens, torch.int64),
             block_table=staging.upload("block_table", num_rows * width, torch.int32).view(num_rows, width),
             seq_lens=staging.upload("seq_lens", num_rows, torch.int32),
-            cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", num_rows + 1, torch.int32),
-            max_seqlen_q=max(batch.num_tokens),
+            cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", num_rows - decode_rows + 1, torch.int32),
+            max_seqlen_q=max(batch.num_tokens[decode_rows:] or [1]),
             window_sizes=self.window_sizes,
             # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
-            workspace=self._workspace if decode else None,
+            workspace=self._workspace,
+            decode_rows=decode_rows,
         )
         if not self.use_triton:
             self._add_context_slots(ctx, batch, layout)
@@ -330,10 +345,18 @@ class ModelRunner:
             from ioattn.ops.paged import paged_attention, reshape_and_cache
 
             reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-            return paged_attention(
-                q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, cu_seqlens_q=ctx.cu_seqlens_q,
-                max_seqlen_q=ctx.max_seqlen_q, causal=True, window_size=window, workspace=ctx.workspace,
-            )
+            n = ctx.decode_rows
+            if ctx.cu_seqlens_q is None:
+                return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, causal=True,
+                                       window_size=window, workspace=ctx.workspace)
+            out = torch.empty_like(q)
+            if n:
+                paged_attention(q[:n], k_cache, v_cache, ctx.block_table[:n], ctx.seq_lens[:n], causal=True,
+                                window_size=window, workspace=ctx.workspace, out=out[:n])
+            paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:], ctx.seq_lens[n:],
+                            cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, causal=True,
+                            window_size=window, out=out[n:])
+            return out
         return self._torch_paged_attention(q, k, v, k_cache, v_cache, window, ctx)
 
     @staticmethod
@@ -377,7 +400,7 @@ class ModelRunner:
             ctx = PagedContext(
                 slot_mapping=self._graph_slots[:size], block_table=self._graph_tables[:size],
                 seq_lens=self._graph_lens[:size], cu_seqlens_q=None, max_seqlen_q=1,
-                window_sizes=self.window_sizes, workspace=self._workspace,
+                window_sizes=self.window_sizes, workspace=self._workspace, decode_rows=size,
             )
             ids, positions = self._graph_ids[:size], self._graph_positions[:size]
             self.model(ids, positions, ctx)  # warm-up: compiles the kernels outside the capture

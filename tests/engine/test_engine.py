@@ -42,10 +42,13 @@ def test_greedy_with_chunked_prefill_matches_full_recompute():
         assert outputs[request_id].outputs[0].finish_reason == "length"
 
 
-def test_triton_paged_path_matches_full_recompute():
+@pytest.mark.parametrize("gather_rows", [None, 1])
+def test_triton_paged_path_matches_full_recompute(gather_rows, monkeypatch):
     """The CUDA code path (reshape_and_cache + paged_attention, copy_blocks, swap_blocks) in Triton's interpreter:
     a mixed batch of prefill chunks and decodes, a fork, and swap preemption in a small pool. One layer: the
-    interpreter is slow."""
+    interpreter is slow. gather_rows=1: every prefill chunk takes the gathered-context path (dense forward)."""
+    if gather_rows is not None:
+        monkeypatch.setattr("ioattn.ops.paged.GATHER_MIN_GROUP_ROWS", gather_rows)
     model = tiny(num_layers=1)
     engine = make_engine(model=model, attention_backend="triton", num_blocks=8, max_model_len=24,
                          max_num_batched_tokens=8, preemption_mode="swap", swap_space=0.002)

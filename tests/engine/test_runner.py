@@ -48,6 +48,21 @@ def test_a_smaller_mixed_batch_after_a_larger_one_sees_only_its_own_inputs():
     assert [slots.tolist() for slots in ctx.context_slots] == [[20, 21, 22, 23, 24, 25, 26], [16, 17, 18]]
 
 
+def test_leading_decodes_are_split_from_the_packed_chunks():
+    # Decodes first (the scheduler's order), then a prefill chunk and a one-token chunk: the decodes attend as a
+    # decode batch, the rest as packed queries whose cu_seqlens start at their first row.
+    runner = ModelRunner(tiny().model, num_blocks=64, block_size=4, max_model_len=64, attention_backend="torch")
+    runner.model = model = RecordingModel(runner.model)
+    runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2), (0, 6, [7, 8], True, 3),
+                          (3, 1, [9], True, 4)))
+    _, _, ctx = model.calls[-1]
+    assert ctx.decode_rows == 2
+    assert ctx.cu_seqlens_q.tolist() == [0, 6, 7] and ctx.max_seqlen_q == 6
+    assert ctx.seq_lens.tolist() == [6, 3, 6, 4]
+    runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2)))
+    assert model.calls[-1][2].cu_seqlens_q is None and model.calls[-1][2].decode_rows == 2
+
+
 def test_layout_places_every_token_by_its_block_table():
     batch = _batch((6, 3, [9, 2, 5], True, 0), (0, 1, [4], True, 0), (13, 1, [0, 7, 3, 8], True, 0))
     tables = np.full((3, 6), 99, dtype=np.int32)
