@@ -4,7 +4,9 @@ composition (rows, decode rows, prefill tokens, graph or eager) and its GPU time
 `ModelRunner.execute`, stream-ordered, so host stalls between steps do not count), and a torch-profiler kernel
 table over a few mixed (prefill + decode) steps and a few decode-only steps.
 
-PYTHONPATH=. python3 bench/explore/explore9.py [max_num_batched_tokens ...]; writes $OUT/explore9.json. On a
+PYTHONPATH=. python3 bench/explore/explore9.py [--cold] [max_num_batched_tokens ...]; writes $OUT/explore9.json.
+Every Triton kernel-cache miss is recorded with the step it happened in (`compiles_in_run`: after the warm-up,
+each one a stall); --cold starts from an empty Triton cache. On a
 CPU it runs the `tiny` model with a short workload (a dry run of the script's logic). Results:
 bench/results/2026-12-01-s5-explore9-before-h200.json (the code before this session), -alignment-stall- (decode
 rows split from the packed chunks, long chunks gathered; one step still compiled a kernel specialisation for a
@@ -13,8 +15,12 @@ window) lands in the run's duration.
 """
 import os
 import sys
+import tempfile
 import time
 
+if "--cold" in sys.argv:  # an empty Triton cache: every compile costs what it costs on a fresh machine
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    sys.argv.remove("--cold")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
 
@@ -31,6 +37,24 @@ OUTPUT_LEN = 8 if e1.TINY else 256
 PROFILE_STEPS = 3
 
 
+COMPILES: list[dict] = []  # every in-memory kernel-cache miss (a compile, or a load from the disk cache)
+PHASE = {"name": "start", "step": 0}
+
+
+def _record_compile(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    COMPILES.append({"phase": PHASE["name"], "step": PHASE["step"], "t": time.monotonic(), "kernel": fn.name,
+                     "repr": repr[:600], "constants": str(compile.get("constants"))[:600]})
+    return False  # compile as usual
+
+
+def _watch_compiles() -> None:
+    try:
+        from triton import knobs
+        knobs.runtime.jit_cache_hook = _record_compile
+    except (ImportError, AttributeError):  # the interpreter has no compile step
+        pass
+
+
 class StepTrace:
     """Wraps runner.execute: per call the batch's shape, host time, and CUDA events for its GPU span."""
 
@@ -45,6 +69,7 @@ class StepTrace:
         rows, tokens = len(batch), len(batch.token_ids)
         decode_rows = sum(1 for n in batch.num_tokens if n == 1)
         index = len(self.steps)
+        PHASE["step"] = index
         self._profile(index, mixed=rows > decode_rows, rows=rows)
         cuda = self.runner.device.type == "cuda"
         if cuda:
@@ -110,13 +135,17 @@ def run(max_batched: int) -> dict:
     llm = LLM(MODEL, max_num_seqs=256, max_num_batched_tokens=max_batched, device=e1.DEV)
     try:
         engine = llm.engine
+        PHASE["name"] = "warm-up"
         _run_engine(engine, warm, 0.0, Pacing.all_at_once(warm))
+        PHASE["name"] = "run"
         trace = StepTrace(engine.runner)
         result = _run_engine(engine, work, 0.0, Pacing.all_at_once(work))
         result.pop("first_tokens")
         steps = trace.rows()
         result["steps_trace"] = steps
         result["profiles"] = trace.tables
+        result["compiles_in_run"] = [c for c in COMPILES if c["phase"] == "run"]
+        result["compiles_before_run"] = len([c for c in COMPILES if c["phase"] != "run"])
         gpu = [s["gpu_ms"] or 0.0 for s in steps]
         mixed = [s for s in steps if s["decode_rows"] < s["rows"]]
         result["summary"] = {
@@ -135,12 +164,16 @@ def run(max_batched: int) -> dict:
 if __name__ == "__main__":
     e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "bench/explore/explore9.py")
     e1.RESULTS["serve"] = []
+    _watch_compiles()
     for budget in [int(a) for a in sys.argv[1:]] or [2048]:
         try:
             r = run(budget)
             e1.RESULTS["serve"].append({"max_num_batched_tokens": budget, **r})
             print(budget, round(r["duration_s"], 2), "s", round(r["output_tokens_per_s"]), "tok/s", r["summary"],
                   flush=True)
+            for c in r["compiles_in_run"]:
+                print("compiled in run: step", c["step"], c["kernel"], c["repr"][:300], c["constants"][:200],
+                      flush=True)
             for name, table in r["profiles"].items():
                 key = "self_cpu_us" if name.endswith("_cpu") else "device_us"
                 print(name, [(t["name"][:50], t["count"], round(t[key])) for t in table[:12]], flush=True)

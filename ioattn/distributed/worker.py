@@ -149,6 +149,7 @@ class TensorParallelEngine(LLMEngine):
                 num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
                 num_cpu_blocks=self.kv.cpu.num_blocks, max_num_seqs=config.max_num_seqs, use_cuda_graphs=False,
                 attention_backend=config.attention_backend,
+                max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             ))
             self.runner = DriverRunner(self.runner, self)
             self._serving = True

@@ -142,7 +142,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs, use_cuda_graphs=not config.enforce_eager,
-            attention_backend=config.attention_backend,
+            attention_backend=config.attention_backend, max_num_batched_tokens=batched,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.async_scheduling = config.async_scheduling is not False

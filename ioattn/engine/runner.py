@@ -197,9 +197,11 @@ class ModelRunner:
         max_num_seqs: int = 256,
         use_cuda_graphs: bool = True,
         attention_backend: str = "auto",
+        max_num_batched_tokens: int | None = None,
     ):
         """attention_backend: "triton" (reshape_and_cache + paged_attention), "torch" (the exact CPU path) or
-        "auto" (triton on CUDA, torch elsewhere; triton on the CPU runs in Triton's interpreter, for tests)."""
+        "auto" (triton on CUDA, torch elsewhere; triton on the CPU runs in Triton's interpreter, for tests).
+        max_num_batched_tokens (default max_model_len): the most query tokens of one step, for the warm-up."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model = model
@@ -228,6 +230,8 @@ class ModelRunner:
 
             self._workspace = paged_workspace(max(max_num_seqs, 1), self.config.num_heads, self.config.head_dim,
                                               device=self.device)
+            if self.device.type == "cuda":
+                self._warm_up_attention(max_num_batched_tokens or max_model_len)
             if use_cuda_graphs and self.device.type == "cuda":
                 self._capture_graphs(max_num_seqs)
 
@@ -381,6 +385,37 @@ class ModelRunner:
             o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
             out[start:end] = o_s.squeeze(0).transpose(0, 1)
         return out
+
+    @torch.inference_mode()
+    def _warm_up_attention(self, max_tokens: int) -> None:
+        """Compile every attention variant a step can take before serving, not during it: a kernel compiled
+        mid-serving stalls its step for seconds (an H200 step of 686 tokens took 2.1-2.9 s, 2026-12-01-s5-explore9
+        results). Per window of the model: decode and multi-token queries on the paged kernel, unsplit (output in
+        the model's dtype) and at each power-of-two split count (float32 partials; the combine kernel is
+        specialised on the count), and the gathered-context path (dense varlen forward) at one token and at
+        `max_tokens` (its config table distinguishes short and long queries). The queries are a view of a fused
+        qkv row, as the model passes them; the caches are only read."""
+        from ioattn.ops.paged import MAX_SPLITS, paged_attention
+
+        cfg, device = self.config, self.device
+        qkv = torch.zeros(2, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=device)
+        q = qkv[:, : cfg.num_heads]
+        k_cache, v_cache = self.k_caches[0], self.v_caches[0]
+        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+        split_counts = [1 << i for i in range(MAX_SPLITS.bit_length()) if 1 << i <= MAX_SPLITS]
+        for window in sorted(set(self.window_sizes)):
+            for splits in split_counts:
+                paged_attention(q[:1], k_cache, v_cache, table, seq_lens, window_size=window, num_splits=splits,
+                                workspace=self._workspace)
+                paged_attention(q[:1], k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                                window_size=window, num_splits=splits, gather=False)
+            if window[0] < 0:  # a window never takes the gathered path
+                for max_seqlen_q in sorted({1, max_tokens}):
+                    paged_attention(q[:1], k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q,
+                                    max_seqlen_q=max_seqlen_q, window_size=window, gather=True)
+        torch.cuda.synchronize(device)
 
     # -- CUDA graphs for decode ------------------------------------------------------------------------------
 

@@ -119,3 +119,28 @@ def test_launching_an_overlapped_step_never_waits_for_the_device():
         engine._in_flight = launched
         engine._outputs(touched)
     run_all(engine)
+
+
+def test_no_kernel_compiles_while_serving():
+    """After the engine is built, steps of every shape (long chunks taking the gathered path, short chunks on the
+    paged kernel, eager decode rows that split, CUDA-graph decodes) run kernels compiled at start-up only: one
+    compiled mid-serving stalls its step for seconds."""
+    from triton import knobs
+
+    engine = LLMEngine("tiny", EngineConfig(device="cuda", max_model_len=2048, max_num_seqs=16, num_blocks=2048,
+                                            max_num_batched_tokens=1024))
+    compiled = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def record(*, fn, **_):
+        compiled.append(fn.name)
+        return False
+
+    knobs.runtime.jit_cache_hook = record
+    try:
+        for i, (length, output) in enumerate([(900, 6), (1500, 4), (37, 9), (5, 12), (613, 3), (1, 7), (260, 5)]):
+            engine.add_request(f"c{i}", prompt_token_ids=prompt(length, i), params=greedy(output))
+        run_all(engine)
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == []
