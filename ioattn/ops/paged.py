@@ -51,8 +51,9 @@ MAX_SPLITS = 64
 # share falls as q_len x Hq / Hkv grows: it is taken when the mean query tokens per sequence times the GQA group
 # reaches GATHER_MIN_GROUP_ROWS. H200, bf16, 32/8 heads, D=128, 4k new tokens on a 4k context, page 16
 # (bench/results/2026-12-01-s5-explore10-h200.json): paged kernel 1091 us, gather + dense varlen 844 us (the
-# gather alone 26 us), the dense forward on contiguous K/V 836 us. Only without a window and sinks: a sink + window eviction marks table entries -1,
-# which the paged kernel skips and the gathered path would read as zero keys.
+# gather alone 26 us), the dense forward on contiguous K/V 836 us. Only without a window and sinks: a sink +
+# window eviction marks table entries -1, which the paged kernel skips and the gathered path would read as zero
+# keys.
 GATHER_MIN_GROUP_ROWS = 1024
 
 
@@ -281,7 +282,8 @@ def paged_attention(
     `config` (a `PagedConfig`) overrides the tiles and launch parameters of `default_config`, for tuning.
     Multi-token calls with many query tokens per sequence gather the context into a packed buffer and run the
     dense varlen forward (see `choose_gather`; `gather=True/False` forces it, `plan_paged_attention` says which
-    path a call takes). The gathered buffer holds batch x block_table.shape[1] x block_size rows of K and V.
+    path a call takes; num_splits, workspace and config apply to the paged kernel only). The gathered buffer
+    holds batch x block_table.shape[1] x block_size rows of K and V.
     Returns out shaped like q, and with return_lse the natural-log LSE in float32: (B, Hq) for decode,
     (Hq, total_q) for packed queries (flash-attn varlen). Rows that see no key (e.g. seq_len 0) give 0 and -inf.
     """
@@ -412,11 +414,12 @@ def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q
     batch, width = block_table.shape
     capacity = batch * width * k_cache.shape[1]  # a host bound on sum(seq_lens): no synchronisation
     cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
+    torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
     keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity)
+    # causal=False: the window (left, right) already carries the causal bound (right = 0), bottom-right aligned.
     result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         width * k_cache.shape[1], causal=False, window_size=window, softmax_scale=scale, return_lse=True,
-                                         backend="triton")
+                                         width * k_cache.shape[1], causal=False, window_size=window,
+                                         softmax_scale=scale, return_lse=True, backend="triton")
     if out is not None:
         out.copy_(result)
         result = out
