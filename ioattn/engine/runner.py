@@ -180,6 +180,9 @@ class PagedContext:
     # Rows 0..decode_rows-1 hold one token each and attend as decodes; cu_seqlens_q / max_seqlen_q describe the
     # rows after them (rebased to 0).
     decode_rows: int = 0
+    # The table columns the decode rows and the other rows use (each call sees only its own rows' widest table:
+    # the split heuristic and the gathered path's buffer are sized from the table width).
+    table_widths: tuple[int, int] | None = None
     # CPU path: per sequence, the cache slots of positions 0..seq_len-1 and the query rows.
     context_slots: list[torch.Tensor] = field(default_factory=list)
     query_bounds: list[tuple[int, int]] = field(default_factory=list)
@@ -323,6 +326,7 @@ class ModelRunner:
             # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
             workspace=self._workspace,
             decode_rows=decode_rows,
+            table_widths=(max(batch.table_lens[:decode_rows] or [1]), max(batch.table_lens[decode_rows:] or [1])),
         )
         if not self.use_triton:
             self._add_context_slots(ctx, batch, layout)
@@ -354,10 +358,11 @@ class ModelRunner:
                 return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, causal=True,
                                        window_size=window, workspace=ctx.workspace)
             out = torch.empty_like(q)
+            decode_width, chunk_width = ctx.table_widths or (ctx.block_table.shape[1],) * 2
             if n:
-                paged_attention(q[:n], k_cache, v_cache, ctx.block_table[:n], ctx.seq_lens[:n], causal=True,
-                                window_size=window, workspace=ctx.workspace, out=out[:n])
-            paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:], ctx.seq_lens[n:],
+                paged_attention(q[:n], k_cache, v_cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
+                                causal=True, window_size=window, workspace=ctx.workspace, out=out[:n])
+            paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
                             cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, causal=True,
                             window_size=window, out=out[n:])
             return out

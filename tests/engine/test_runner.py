@@ -53,12 +53,12 @@ def test_leading_decodes_are_split_from_the_packed_chunks():
     # decode batch, the rest as packed queries whose cu_seqlens start at their first row.
     runner = ModelRunner(tiny().model, num_blocks=64, block_size=4, max_model_len=64, attention_backend="torch")
     runner.model = model = RecordingModel(runner.model)
-    runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2), (0, 6, [7, 8], True, 3),
+    runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2), (0, 9, [7, 8, 12], True, 3),
                           (3, 1, [9], True, 4)))
     _, _, ctx = model.calls[-1]
-    assert ctx.decode_rows == 2
-    assert ctx.cu_seqlens_q.tolist() == [0, 6, 7] and ctx.max_seqlen_q == 6
-    assert ctx.seq_lens.tolist() == [6, 3, 6, 4]
+    assert ctx.decode_rows == 2 and ctx.table_widths == (2, 3)  # each part's widest table
+    assert ctx.cu_seqlens_q.tolist() == [0, 9, 10] and ctx.max_seqlen_q == 9
+    assert ctx.seq_lens.tolist() == [6, 3, 9, 4]
     runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2)))
     assert model.calls[-1][2].cu_seqlens_q is None and model.calls[-1][2].decode_rows == 2
 
