@@ -69,26 +69,30 @@ def prefill_section():
         save()
 
 
-def decode_section():
-    hq = hkv = 4 if TINY else 32
+def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=None, layouts=(("paged", 16),)):
+    """Per-layer µs of paged_attention over `layers` cache copies in one graph, per (B, L) and split count;
+    layouts: (name, block size) pairs, "paged" shuffled through the pool, anything else in order."""
+    hq, hkv = heads or ((4, 4) if TINY else (32, 32))
     d = 64 if TINY else 128
-    layers = 2 if TINY else 32
-    for batch, length in ([(2, 256)] if TINY else [(8, 16384), (8, 32768)]):
+    layers = layers or (2 if TINY else 32)
+    for (batch, length), (layout, page) in ((shape, lay) for shape in (shapes or ([(2, 256)] if TINY else
+                                                                                 [(8, 16384), (8, 32768)]))
+                                            for lay in layouts):
         k = torch.randn(batch, length, hkv, d, dtype=BF16, device=DEV)
         v = torch.randn_like(k)
         q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
         lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
         ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
         kv_bytes = 2 * k.numel() * 2
-        blocks = length // 16
-        table = _block_table(batch, blocks, True, DEV)
-        k_cache = torch.empty(batch * blocks, 16, hkv, d, dtype=BF16, device=DEV)
+        blocks = length // page
+        table = _block_table(batch, blocks, layout == "paged", DEV)
+        k_cache = torch.empty(batch * blocks, page, hkv, d, dtype=BF16, device=DEV)
         v_cache = torch.empty_like(k_cache)
-        k_cache[table.view(-1).long()] = k.view(batch * blocks, 16, hkv, d)
-        v_cache[table.view(-1).long()] = v.view(batch * blocks, 16, hkv, d)
+        k_cache[table.view(-1).long()] = k.view(batch * blocks, page, hkv, d)
+        v_cache[table.view(-1).long()] = v.view(batch * blocks, page, hkv, d)
         del k, v
         copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
-        for splits in (1, 2, 3, 4):
+        for splits in split_counts:
             ws = paged_workspace(batch, hq, d, max_splits=splits, device=DEV)
             out = torch.full_like(q, float("nan"))
 
@@ -99,10 +103,11 @@ def decode_section():
             try:
                 err = rel_error(fwd()[0], ref)
                 ms, how = timed_layers(fwd, layers)
-                e1.RESULTS["decode"].append({"B": batch, "L": length, "heads": f"{hq}/{hkv}", "splits": splits,
-                                             "us": ms * 1e3, "tbps": kv_bytes / ms / 1e9, "error": err, "how": how})
-                print("decode", batch, length, splits, round(ms * 1e3, 1), "us", round(kv_bytes / ms / 1e9, 2),
-                      "TB/s", err, flush=True)
+                e1.RESULTS["decode"].append({"B": batch, "L": length, "heads": f"{hq}/{hkv}", "layout": layout,
+                                             "page": page, "layers": layers, "splits": splits, "us": ms * 1e3,
+                                             "tbps": kv_bytes / ms / 1e9, "error": err, "how": how})
+                print("decode", layout, batch, length, splits, layers, round(ms * 1e3, 1), "us",
+                      round(kv_bytes / ms / 1e9, 2), "TB/s", err, flush=True)
             except Exception as exc:  # noqa: BLE001
                 e1.record_error("decode", (batch, length, splits), exc)
             save()
