@@ -79,6 +79,29 @@ SPLIT_SWEEP_CONFIGS = ("base",)
 SPLIT_SWEEP = (3,) if TINY else (16, 24, 48, 66, 99, 132)
 
 
+def decode_inputs(batch, length, hq, hkv, d):
+    """Fresh random decode inputs: q (B, Hq, D), contiguous k/v (B, L, Hkv, D), seq_lens, the float64 reference
+    of sequence 0 and the K+V bytes a call reads."""
+    k = torch.randn(batch, length, hkv, d, dtype=BF16, device=DEV)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
+    lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
+    ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
+    return q, k, v, lens, ref, 2 * k.numel() * k.element_size()
+
+
+def paged_pool(k, v, block, shuffled):
+    """k/v (B, L, Hkv, D) written into a pool of `block`-token blocks, in shuffled or identity order."""
+    batch, length, hkv, d = k.shape
+    blocks = length // block
+    table = _block_table(batch, blocks, shuffled, DEV)
+    k_cache = torch.empty(batch * blocks, block, hkv, d, dtype=k.dtype, device=DEV)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[table.view(-1).long()] = k.view(batch * blocks, block, hkv, d)
+    v_cache[table.view(-1).long()] = v.view(batch * blocks, block, hkv, d)
+    return k_cache, v_cache, table
+
+
 def decode_section():
     hq, hkv, d = 32, 8, 128
     configs = globals()['decode_configs']()
@@ -86,12 +109,7 @@ def decode_section():
         configs = dict(list(configs.items())[:3])
     for batch, length in DECODE_SHAPES:
         torch.manual_seed(batch * 7 + length)
-        k = torch.randn(batch, length, hkv, d, dtype=BF16, device=DEV)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
-        ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
-        kv_bytes = 2 * k.numel() * 2
+        q, k, v, lens, ref, kv_bytes = decode_inputs(batch, length, hq, hkv, d)
         # peers on a contiguous (B, H, L, D) copy
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -108,12 +126,7 @@ def decode_section():
         except Exception as exc:  # noqa: BLE001
             record_error("decode-peer", (batch, length), exc)
         for layout, block in (("paged", 16), ("contig", 256)):
-            blocks = length // block
-            table = _block_table(batch, blocks, layout == "paged", DEV)
-            k_cache = torch.empty(batch * blocks, block, hkv, d, dtype=BF16, device=DEV)
-            v_cache = torch.empty_like(k_cache)
-            k_cache[table.view(-1).long()] = k.view(batch * blocks, block, hkv, d)
-            v_cache[table.view(-1).long()] = v.view(batch * blocks, block, hkv, d)
+            k_cache, v_cache, table = paged_pool(k, v, block, layout == "paged")
             trials = [(name, cfg, 0) for name, cfg in configs.items()]
             if batch <= 8:
                 trials += [(name, configs[name], s) for name in SPLIT_SWEEP_CONFIGS if name in configs

@@ -15,7 +15,7 @@ import explore1 as e1  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-from ioattn.bench.decode import _block_table, chunked_prefill_inputs  # noqa: E402
+from ioattn.bench.decode import chunked_prefill_inputs  # noqa: E402
 from ioattn.ops.paged import paged_attention, paged_workspace  # noqa: E402
 from ioattn.reference import attention_ref, rel_error  # noqa: E402
 
@@ -78,18 +78,8 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
     for (batch, length), (layout, page) in ((shape, lay) for shape in (shapes or ([(2, 256)] if TINY else
                                                                                  [(8, 16384), (8, 32768)]))
                                             for lay in layouts):
-        k = torch.randn(batch, length, hkv, d, dtype=BF16, device=DEV)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, hq, d, dtype=BF16, device=DEV)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
-        ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
-        kv_bytes = 2 * k.numel() * 2
-        blocks = length // page
-        table = _block_table(batch, blocks, layout == "paged", DEV)
-        k_cache = torch.empty(batch * blocks, page, hkv, d, dtype=BF16, device=DEV)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[table.view(-1).long()] = k.view(batch * blocks, page, hkv, d)
-        v_cache[table.view(-1).long()] = v.view(batch * blocks, page, hkv, d)
+        q, k, v, lens, ref, kv_bytes = e1.decode_inputs(batch, length, hq, hkv, d)
+        k_cache, v_cache, table = e1.paged_pool(k, v, page, layout == "paged")
         del k, v
         copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
         for splits in split_counts:
