@@ -1,4 +1,4 @@
-"""Device exploration 11 (prepared for the next session, not yet run): the latency-bound decode rows of issue 4.
+"""Device exploration 11 (run in the sixth session: bench/results/2026-12-01-s6-explore11-h200.json): the latency-bound decode rows of issue 4.
 
 - B=1 and B=8 at L = 1k and 4k (32/8 heads, D=128): split counts below MIN_KEYS_PER_SPLIT's limit (1-16, i.e.
   down to 64 keys per split), paged (page 16, shuffled) against contiguous (page 256), per-layer over 32 copies:
