@@ -8,6 +8,7 @@ every part is empty the result is output 0 and LSE −inf, never NaN. Flash-Deco
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 
 @triton.jit
@@ -31,9 +32,14 @@ def combine_splits_kernel(
     stride_ps, stride_pt, stride_ph,
     stride_qs, stride_qt, stride_qh,
     stride_ot, stride_oh, stride_lt, stride_lh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, AFTER_PRIMARY: tl.constexpr = False,
 ):
-    """Grid (tokens, heads). Partials [split, token, head, (D)] in float32 -> Out [token, head, D], Lse [token, head]."""
+    """Grid (tokens, heads). Partials [split, token, head, (D)] in float32 -> Out [token, head, D], Lse [token, head].
+
+    AFTER_PRIMARY: launched by programmatic dependent launch while the split kernel still runs (sm_90+); the
+    programs wait here until it has finished and its partials are visible."""
+    if AFTER_PRIMARY:
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)

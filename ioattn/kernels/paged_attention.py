@@ -21,6 +21,7 @@ in `ioattn.ops.paged` aims at several programs per SM.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -111,9 +112,14 @@ def paged_attention_kernel(
     scale_log2, window_left, window_right, sink_tokens, num_splits, q_tiles_per_seq,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    IEEE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
 ):
-    """Grid (batch * q_tiles_per_seq, num_kv_heads, num_splits). Out/Lse are indexed [split, token, head]."""
+    """Grid (batch * q_tiles_per_seq, num_kv_heads, num_splits). Out/Lse are indexed [split, token, head].
+
+    RELEASE_DEPENDENTS: let a kernel launched after this one by programmatic dependent launch (the split combine)
+    start as soon as every program of this grid has started; it waits for this grid's end itself (sm_90+)."""
+    if RELEASE_DEPENDENTS:
+        gdc_launch_dependents()
     seq = tl.program_id(0) // q_tiles_per_seq
     q_tile = tl.program_id(0) % q_tiles_per_seq
     kv_head = tl.program_id(1)

@@ -31,17 +31,20 @@ MAX_BLOCK_SIZE = 256
 # Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
 # When that leaves SM slots idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
 # programs hide each other's load latency: each program overlaps little of its own, see
-# ioattn/kernels/paged_attention.py), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (below that the
-# combine pass and the partial writes cost more than the parallelism gains) and never more than MAX_SPLITS.
-# H200, bf16, D=128 (bench/results/2026-12-01-explore2-h200.json, -explore3-h200.json, -s5-explore10-h200.json):
-# 32/8 heads B=1 L=32k reads 2.55 TB/s at 48-64 splits against 2.43 at 33 (the former target of 2 programs per
-# SM); B=8 L=32k 4.09 at 8 splits against 3.76 at 5; 32/32 heads B=8 L=16k (256 programs, half the 528 slots)
-# 4.36 at 2 splits against 3.61 unsplit; a batch that already fills the slots only loses (B=64 L=1k: 3.36
-# unsplit, 3.06 with 2 splits).
+# ioattn/kernels/paged_attention.py), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (one 64-key
+# tile of the decode kernel: a split of fewer keys would read a partly empty tile) and never more than MAX_SPLITS.
+# H200, bf16, D=128, per layer over 32 cache copies (bench/results/2026-12-01-explore2-h200.json, -explore3-,
+# -s5-explore10-, -s6-explore11-, -s6-explore12-h200.json):
+#   32/8 heads B=1: L=1k 8.6 us at 16 splits against 20.1 at 2 (the former 512-keys floor) and 32.1 unsplit;
+#     L=4k 13.6 at 64 (12.8 at 32, 21.1 at 8); L=16k 26.6 at 64; L=32k 42.0 at 64 (2.43 TB/s at 33);
+#   32/8 B=8: L=1k 17.3 at 8 against 22.8 at 2; L=32k 4.09 TB/s at 8 splits against 3.76 at 5;
+#   32/32 B=1: L=1k 12.3 at 16 (12.2 at 8) against 20.1 at 2; L=4k 24.7 at 16 against 36.0 at 64;
+#   32/32 B=8 L=16k (256 programs, half the 528 slots): 4.36 TB/s at 2 splits against 3.61 unsplit;
+#   a batch that already fills the slots only loses (B=64 L=1k: 3.36 TB/s unsplit, 3.06 with 2 splits).
 # The context length used is the block table's capacity, block_table.shape[1] * block_size: a host number, so
 # choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
 PROGRAMS_PER_SM = 4
-MIN_KEYS_PER_SPLIT = 512
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
 
 # Multi-token queries (chunked prefill, prefix-cache hits): with many query tokens per sequence it pays to
@@ -105,6 +108,19 @@ def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
     ]
 
 
+# The split combine is launched by programmatic dependent launch on sm_90+: its programs are scheduled while the
+# split kernel's last programs still run and wait there for its end (griddepcontrol), instead of the launch
+# starting after it. H200, per layer, CUDA graphs (bench/results/2026-12-01-s6-explore12-h200.json): 0.5-1.0 us
+# saved per call on every split row (32/8 B=1 L=1k 8.6 -> 8.0 us, L=32k 42.7 -> 42.0). False restores the
+# plain ordered launch (exploration A/B runs set it).
+DEPENDENT_COMBINE = True
+
+
+@functools.cache
+def _dependent_launch_supported(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -161,6 +177,7 @@ class PagedPlan:
     q_tiles_per_seq: int
     gather: bool = False  # multi-token only: gather the context, then the dense varlen forward
     reason: str = ""
+    dependent_combine: bool = False  # the split combine by programmatic dependent launch (see DEPENDENT_COMBINE)
 
     def __str__(self) -> str:
         if self.gather:
@@ -168,7 +185,8 @@ class PagedPlan:
         launch = (f"paged_attention_kernel BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
                   f"num_warps={self.config.num_warps} num_stages={self.config.num_stages}"
                   + ("" if self.config.maxnreg is None else f" maxnreg={self.config.maxnreg}"))
-        splits = f", {self.num_splits} splits + combine" if self.num_splits > 1 else ", no split"
+        combine = " (programmatic dependent launch)" if self.dependent_combine else ""
+        splits = f", {self.num_splits} splits + combine{combine}" if self.num_splits > 1 else ", no split"
         return launch + splits + (f" ({self.reason})" if self.reason else "")
 
 
@@ -230,7 +248,8 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why)
+    dependent = num_splits > 1 and DEPENDENT_COMBINE and _dependent_launch_supported(q.device)
+    return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent)
 
 
 def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True,
@@ -354,6 +373,7 @@ def paged_attention(
         part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
 
     cfg = plan.config
+    dependent = plan.dependent_combine
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,
@@ -366,7 +386,7 @@ def paged_attention(
         scale * math.log2(math.e), left, right, sink_tokens, splits, plan.q_tiles_per_seq,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
-        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
+        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages, RELEASE_DEPENDENTS=dependent,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
@@ -376,6 +396,7 @@ def paged_attention(
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
+            AFTER_PRIMARY=dependent, **({"launch_pdl": True} if dependent else {}),
         )
     if not return_lse:
         return out

@@ -110,12 +110,14 @@ def test_split_heuristic():
     assert choose_num_splits(programs=256 * 8, max_context=8192, sm_count=h200_sms) == 1
     # B = 8, 32 KV heads: 256 programs fill half the 528 slots, so two splits (more than one per SM).
     assert choose_num_splits(programs=8 * 32, max_context=16384, sm_count=h200_sms) == 2
-    # B = 1, 8 KV heads, 32k context: split towards four programs per SM, capped at 512 keys per split (64).
-    assert choose_num_splits(programs=8, max_context=32768, sm_count=h200_sms) == 64
+    # B = 1, 8 KV heads, 32k context: split towards four programs per SM (66), capped at MAX_SPLITS.
+    assert choose_num_splits(programs=8, max_context=32768, sm_count=h200_sms) == MAX_SPLITS
     # B = 8, 8 KV heads, 32k context: at most four programs per SM, one wave (8 splits of 4k keys).
     assert choose_num_splits(programs=64, max_context=32768, sm_count=h200_sms) == 8
-    # Short context: at least MIN_KEYS_PER_SPLIT keys per split.
-    assert choose_num_splits(programs=8, max_context=1024, sm_count=h200_sms) == 2
+    # Short context: at least MIN_KEYS_PER_SPLIT (64) keys per split.
+    assert choose_num_splits(programs=8, max_context=1024, sm_count=h200_sms) == 16
+    assert choose_num_splits(programs=32, max_context=1024, sm_count=h200_sms) == 16
+    assert choose_num_splits(programs=8, max_context=100, sm_count=h200_sms) == 1
     assert choose_num_splits(programs=1, max_context=1 << 20, sm_count=h200_sms) == MAX_SPLITS
     assert choose_num_splits(programs=1, max_context=16, sm_count=h200_sms) == 1
 
@@ -209,6 +211,40 @@ def test_decode_captures_in_a_cuda_graph():
     graph.replay()
     expected = paged_attention(q, k_cache, v_cache, table, lens, num_splits=1)
     assert rel_error(out, expected) < TOLERANCE[torch.float32]
+
+
+def test_split_combine_launch_is_explained(device):
+    (q, k_cache, _, table, _), _, _ = small_case(device)
+    plan = paged.plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=4)
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert plan.dependent_combine == hopper
+    assert ("programmatic dependent launch" in str(plan)) == hopper
+    unsplit = paged.plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=1)
+    assert not unsplit.dependent_combine and "no split" in str(unsplit)
+
+
+@pytest.mark.gpu
+def test_dependent_combine_equals_the_ordered_launch_in_and_out_of_graphs(monkeypatch):
+    # The combine waits on the split kernel through griddepcontrol instead of stream order: same bits, eagerly
+    # and replayed from a CUDA graph, with the partial scratch reused (poisoned) between calls.
+    args, ref_out, ref_lse = small_case("cuda", seq_lens=(61, 4))
+    workspace = paged_workspace(2, HEADS, HEAD_DIM, max_splits=16, device="cuda")
+    results = []
+    for dependent in (True, False):
+        monkeypatch.setattr(paged, "DEPENDENT_COMBINE", dependent)
+        workspace.partial_out.fill_(float("nan"))
+        out = torch.full_like(args[0], float("nan"))
+        eager = paged_attention(*args, num_splits=16, workspace=workspace, return_lse=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_attention(*args, num_splits=16, workspace=workspace, out=out)
+        workspace.partial_out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(eager[0], ref_out) < TOLERANCE[torch.float32] and lse_error(eager[1], ref_lse) < 1e-5
+        results.append((eager[0], out.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][0])
+    assert torch.equal(results[1][1], results[1][0])
 
 
 def test_heuristic_splits_run_exactly_within_the_workspace(device, monkeypatch):
