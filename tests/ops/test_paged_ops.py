@@ -19,9 +19,9 @@ from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 PAGE, KV_HEADS, HEADS, HEAD_DIM = 4, 2, 4, 64
 
 
-def small_case(device, seq_lens=(9, 4), dtype=torch.float32):
-    """Decode inputs over a shuffled pool, plus the float64 reference (out, lse (B, Hq))."""
-    num_blocks = 8
+def small_case(device, seq_lens=(9, 4), dtype=torch.float32, num_blocks=8):
+    """Decode inputs over a shuffled pool (num_blocks // len(seq_lens) blocks of PAGE tokens per sequence), plus
+    the float64 reference (out, lse (B, Hq))."""
     k_cache = torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
     table = torch.randperm(num_blocks).reshape(len(seq_lens), -1).to(torch.int32).to(device)
@@ -227,7 +227,7 @@ def test_split_combine_launch_is_explained(device):
 def test_dependent_combine_equals_the_ordered_launch_in_and_out_of_graphs(monkeypatch):
     # The combine waits on the split kernel through griddepcontrol instead of stream order: same bits, eagerly
     # and replayed from a CUDA graph, with the partial scratch reused (poisoned) between calls.
-    args, ref_out, ref_lse = small_case("cuda", seq_lens=(61, 4))
+    args, ref_out, ref_lse = small_case("cuda", seq_lens=(250, 4), num_blocks=128)
     workspace = paged_workspace(2, HEADS, HEAD_DIM, max_splits=16, device="cuda")
     results = []
     for dependent in (True, False):
