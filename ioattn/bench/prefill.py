@@ -307,6 +307,26 @@ def _measure_forward(runner: Runner, case: Case, ref: Reference, args, row: Row)
     row.peak_mib = harness.peak_memory_mib(runner.forward, args.device)
 
 
+BACKWARD_ALONE = "backward alone (retain_graph)"
+BACKWARD_BY_DIFFERENCE = "forward+backward minus forward"
+
+
+def uniform_backward_timing(case_rows: list[Row], ceilings: dict) -> None:
+    """One timing method for every backend of a case, so their ratios compare like with like: the backward
+    alone where every measured backend allows a second backward through its graph, else forward+backward
+    minus forward for all of them (the backward-alone figure stays in extra["backward_alone_ms"])."""
+    measured = [r for r in case_rows if r.status == "ok" and "fwd_bwd_minus_fwd_ms" in r.extra]
+    refusing = [r.backend for r in measured if r.extra["backward_timing"] != BACKWARD_ALONE]
+    if not refusing:
+        return
+    for row in measured:
+        row.ms = row.extra["fwd_bwd_minus_fwd_ms"]
+        row.rate = harness.tflops(row.extra["backward_flops"], row.ms)
+        row.ceiling_pct = 100 * row.rate / ceilings["matmul_tflops"][row.case["dtype"]]
+        row.extra["backward_timing"] = (f"{BACKWARD_BY_DIFFERENCE}, as every backend of this case "
+                                        f"({', '.join(refusing)} refused a second backward)")
+
+
 def _measure_backward(runner: Runner, case: Case, ref: Reference, dout: torch.Tensor, args, row: Row) -> None:
     dout = dout.transpose(1, 2).contiguous() if runner.heads_first else dout
     leaves, device, reps = runner.leaves, args.device, dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
@@ -328,17 +348,21 @@ def _measure_backward(runner: Runner, case: Case, ref: Reference, dout: torch.Te
     fwd = harness.time_ms(runner.forward, device, **reps)
     both = harness.time_ms(forward_backward, device, grad_to_none=leaves, **reps)
     out = runner.forward()
+    row.extra["fwd_bwd_minus_fwd_ms"] = both.ms - fwd.ms
     try:
         bwd = harness.time_ms(lambda: out.backward(dout, retain_graph=True), device, grad_to_none=leaves, **reps)
         bwd_ms, row.extra["reps"] = bwd.ms, bwd.reps
-        row.extra["backward_timing"] = "backward alone (retain_graph)"
-    except Exception:  # noqa: BLE001 — a graph that refuses a second backward only changes how it is timed
+        row.extra["backward_alone_ms"] = bwd.ms
+        row.extra["backward_timing"] = BACKWARD_ALONE
+    except Exception as exc:  # noqa: BLE001 — a graph that refuses a second backward only changes how it is timed
         bwd_ms, row.extra["reps"] = both.ms - fwd.ms, both.reps
-        row.extra["backward_timing"] = "forward+backward minus forward"
+        row.extra["backward_timing"] = BACKWARD_BY_DIFFERENCE
+        row.extra["backward_alone_refused"] = f"{type(exc).__name__}: {exc}"[:300]
     del out
     for t in leaves:
         t.grad = None
     row.ms, row.rate = bwd_ms, harness.tflops(case.flops("backward"), bwd_ms)
+    row.extra["backward_flops"] = case.flops("backward")
     row.extra.update(
         fwd_ms=fwd.ms, fwd_tflops=harness.tflops(case.flops("forward"), fwd.ms),
         fwd_bwd_ms=both.ms, fwd_bwd_tflops=harness.tflops(case.flops("forward+backward"), both.ms),
@@ -511,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "budget_s": args.budget_s,
             "layouts": "ioattn (B, N, H, D); SDPA and Flex (B, H, N, D); contiguous, made outside timing",
             "flops": "forward 4·B·Hq·N²·D, halved when causal; backward 2.5× forward",
+            **({"backward_timing": "the backward alone (retain_graph) where every backend of a case allows a second "
+                                   "backward, else forward+backward minus forward for every backend of that case"}
+               if args.backward else {}),
             "error": "worst of out/dq/dk/dv vs float64 autograd on the last batch entry and KV group"
             if args.backward
             else f"out vs float64 attention_ref on the last batch entry and KV group, last ≤ {ERROR_ROWS} rows",
@@ -527,11 +554,16 @@ def main(argv: list[str] | None = None) -> int:
             ref = backward_reference(case, *qkv, dout)
         else:
             ref = forward_reference(case, *qkv)
+        case_rows = []
         for name in args.backends:
             row = measure(name, case, qkv, dout, ref, args, meta["ceilings"])
             row.extra["seconds"] = round(time.monotonic() - started, 1)
-            rows.append(row)
+            case_rows.append(row)
+        if args.backward:
+            uniform_backward_timing(case_rows, meta["ceilings"])
+        for row in case_rows:
             _progress(index, len(cases), case, row, started)
+        rows += case_rows
         del qkv, dout, ref
 
     growth = []

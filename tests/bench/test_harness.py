@@ -179,6 +179,29 @@ def test_prefill_runs_end_to_end_with_a_stand_in(tmp_path, monkeypatch, backward
     assert (tmp_path / "redrawn.png").stat().st_size > 0
 
 
+def test_backward_rows_of_a_case_share_one_timing_method():
+    def row(backend, alone_ms, by_difference_ms):
+        extra = {"fwd_bwd_minus_fwd_ms": by_difference_ms, "backward_flops": 2e12}
+        if alone_ms is None:
+            extra.update(backward_timing=prefill.BACKWARD_BY_DIFFERENCE, backward_alone_refused="RuntimeError: x")
+        else:
+            extra.update(backward_timing=prefill.BACKWARD_ALONE, backward_alone_ms=alone_ms)
+        ms = by_difference_ms if alone_ms is None else alone_ms
+        return Row(case={"dtype": "bfloat16"}, backend=backend, ms=ms, rate=harness.tflops(2e12, ms), extra=extra)
+
+    ceilings = {"matmul_tflops": {"bfloat16": 800.0}}
+    every_one_alone = [row("ioattn", 1.0, 1.1), row("peer", 2.0, 2.1)]
+    prefill.uniform_backward_timing(every_one_alone, ceilings)
+    assert [r.ms for r in every_one_alone] == [1.0, 2.0]
+    one_refuses = [row("ioattn", 1.0, 1.1), row("flex", None, 2.1), Row(case={}, backend="naive", status="skipped: x")]
+    prefill.uniform_backward_timing(one_refuses, ceilings)
+    assert [r.ms for r in one_refuses[:2]] == [1.1, 2.1] and one_refuses[0].extra["backward_alone_ms"] == 1.0
+    assert one_refuses[0].rate == pytest.approx(harness.tflops(2e12, 1.1))
+    assert one_refuses[0].ceiling_pct == pytest.approx(100 * one_refuses[0].rate / 800.0)
+    assert all("flex refused a second backward" in r.extra["backward_timing"] for r in one_refuses[:2])
+    assert one_refuses[2].ms is None
+
+
 def test_prefill_reports_an_unsupported_backward_and_goes_on(tmp_path, monkeypatch):
     def api():
         forward, explain = _stand_in_api()

@@ -1,0 +1,85 @@
+"""Device exploration 14: the D=128 N=2k backward row of issue 3, ioattn beside FlexAttention in one process.
+
+bf16 B=8 H=16 N=2048 D=128, non-causal and causal: per backend the backward alone timed as the bench times it
+(do_bench, L2 flushed, `retain_graph`), then a torch-profiler list of every kernel one backward runs (name,
+calls, µs), so the kernel time and what lies between kernels can be told apart.
+
+PYTHONPATH=. python3 bench/explore/explore14.py; writes $OUT/explore14.json. On a CPU: toy shapes.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import explore1 as e1  # noqa: E402
+import explore13 as e13  # noqa: E402
+
+import torch  # noqa: E402
+
+import ioattn  # noqa: E402
+from ioattn.reference import rel_error  # noqa: E402
+
+save = e1.save_as("explore14")
+DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
+
+
+def backends(batch, n, heads, d, causal):
+    """name -> (leaves, forward) on fresh random inputs; layouts as `ioattn bench prefill`."""
+    base = [torch.randn(batch, n, heads, d, dtype=BF16, device=DEV) for _ in range(3)]
+    ours = [t.clone().requires_grad_(True) for t in base]
+    theirs = [t.transpose(1, 2).contiguous().requires_grad_(True) for t in base]
+    made = {"ioattn": (ours, lambda: ioattn.flash_attn_func(*ours, causal=causal))}
+    if not TINY:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        torch._dynamo.reset()
+        compiled = torch.compile(flex_attention, dynamic=False)
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, n, n, device=DEV) if causal else None
+        made["flex"] = (theirs, lambda: compiled(*theirs, block_mask=mask))
+    return made
+
+
+def section(batch, n, heads, d, causal):
+    results = {}
+    for name, (leaves, forward) in backends(batch, n, heads, d, causal).items():
+        try:
+            out = forward()
+            dout = torch.randn_like(out)
+            out.backward(dout, retain_graph=True)
+            grads = [t.grad.clone() for t in leaves]
+
+            def bwd(out=out, dout=dout):
+                out.backward(dout, retain_graph=True)
+            timing = e1.harness.time_ms(bwd, DEV, warmup_ms=25, rep_ms=300, grad_to_none=leaves)
+            for t in leaves:
+                t.grad = None
+            kernels = e13.kernel_times(bwd, 5)
+            results[name] = (grads, leaves)
+            row = {"B": batch, "N": n, "H": heads, "D": d, "causal": causal, "backend": name, "ms": timing.ms,
+                   "reps": timing.reps, "tflops": 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
+                   / timing.ms / 1e9,
+                   "kernels": {k: {"calls": c, "us_per_call": t / c} for k, (c, t) in kernels.items()}}
+            row["kernel_us_per_backward"] = sum(t for _, t in kernels.values()) / 5
+            e1.RESULTS["bwd"].append(row)
+            print("bwd", name, n, causal, round(timing.ms, 3), "ms", round(row["tflops"], 1), "TFLOP/s",
+                  "kernels", round(row["kernel_us_per_backward"], 1), "us", flush=True)
+            for k, v in row["kernels"].items():
+                print("   ", v["calls"], round(v["us_per_call"], 1), k[:110], flush=True)
+        except Exception as exc:  # noqa: BLE001
+            e1.record_error("bwd", (name, n, causal), exc)
+        save()
+    if "flex" in results:  # same inputs: the two backends' gradients agree
+        ours, theirs = results["ioattn"][0], [g.transpose(1, 2) for g in results["flex"][0]]
+        e1.RESULTS["bwd"].append({"N": n, "causal": causal, "ioattn_vs_flex": [rel_error(a, b) for a, b in
+                                                                            zip(ours, theirs)]})
+    save()
+
+
+if __name__ == "__main__":
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "bench/explore/explore14.py")
+    if TINY:
+        section(1, 32, 2, 32, False)
+    else:
+        for causal in (False, True):
+            section(8, 2048, 16, 128, causal)
+    save()
+    print(e1.RESULTS["errors"])
