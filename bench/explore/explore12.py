@@ -8,7 +8,8 @@
 - Read-only ceiling: a streaming Triton sum over 2 GiB and over 134 MB (B=1 L=32k's K+V) as a lone call, next
   to the copy ceiling: what a decode kernel, which only reads, could reach at all.
 
-PYTHONPATH=. python3 bench/explore/explore12.py; writes $OUT/explore12.json. On a CPU: toy shapes.
+PYTHONPATH=. python3 bench/explore/explore12.py; writes $OUT/explore12.json (results:
+bench/results/2026-12-01-s6-explore12-h200.json). On a CPU: toy shapes.
 """
 import os
 import sys

@@ -6,7 +6,8 @@
 - Read ceilings with larger per-program reads than explore12's streaming sum (2 GiB, and 134 MB as a lone call).
 - Backward D=128 bf16 B=8 H=16 N=2k non-causal (and B=1 N=16k): profiler time of the dQ and the dK/dV kernel.
 
-PYTHONPATH=. python3 bench/explore/explore13.py; writes $OUT/explore13.json. On a CPU: toy shapes.
+PYTHONPATH=. python3 bench/explore/explore13.py; writes $OUT/explore13.json (results:
+bench/results/2026-12-01-s6-explore13-h200.json). On a CPU: toy shapes.
 """
 import os
 import sys

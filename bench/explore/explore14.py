@@ -1,8 +1,11 @@
-"""Device exploration 14: the D=128 N=2k backward row of issue 3, ioattn beside FlexAttention in one process.
+"""Device exploration 14 (results: bench/results/2026-12-01-s6-explore14-h200.json): the D=128 N=2k backward row
+of issue 3, ioattn beside FlexAttention in one process.
 
 bf16 B=8 H=16 N=2048 D=128, non-causal and causal: per backend the backward alone timed as the bench times it
 (do_bench, L2 flushed, `retain_graph`), then a torch-profiler list of every kernel one backward runs (name,
-calls, µs), so the kernel time and what lies between kernels can be told apart.
+calls, µs), so the kernel time and what lies between kernels can be told apart. The profiled backwards
+accumulate into .grad, so their lists also show torch add kernels (three per backward) that the timed ones,
+which clear the gradients first, do not run.
 
 PYTHONPATH=. python3 bench/explore/explore14.py; writes $OUT/explore14.json. On a CPU: toy shapes.
 """
