@@ -9,9 +9,11 @@ Each peer gets its preferred layout, made from the same values outside the timed
 SDPA and Flex (B, H, N, D), all contiguous. Self-attention only (Nq = Nk), so top-left and bottom-right causal
 agree. Error: ‖out − ref‖/‖ref‖ against float64 `attention_ref` on a slice (last batch entry, the query heads
 of the last KV head, the last ≤ 1024 query rows: bottom-right alignment keeps those rows exact). `--backward`:
-the same peers' backward alone (`retain_graph`) and forward+backward; error is the worst of out, dq, dk, dv
-against float64 autograd on the last batch entry and KV group (all rows, in chunks); peak memory of
-forward+backward at N and 2N shows which backends grow linearly.
+the same peers' backward and forward+backward. The backward is timed alone (`retain_graph`) where every backend
+of a case allows a second backward, else as forward+backward minus forward for every backend of that case (a
+compiled Flex graph with donated buffers refuses it), so ratios always compare one method. Error is the worst
+of out, dq, dk, dv against float64 autograd on the last batch entry and KV group (all rows, in chunks); peak
+memory of forward+backward at N and 2N shows which backends grow linearly.
 
 The sweep is ordered so that the bar's rows (D 128 and 64, MHA) come first; `--budget-s` stops it between
 cases, and the JSON / markdown / PNG are written with whatever ran (the rest is listed as not run).
