@@ -21,7 +21,7 @@ import torch
 
 import ioattn  # noqa: F401
 from ioattn.bench import harness
-from ioattn.bench.decode import _block_table, _graphed, chunked_prefill_inputs
+from ioattn.bench.decode import _graphed, chunked_prefill_inputs, paged_pool
 from ioattn.ops.paged import PagedConfig, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import attention_ref, rel_error
 
@@ -57,6 +57,19 @@ def timed(fn, warmup=10, rep=40):
     return harness.time_ms(graphed, DEV, warmup_ms=warmup, rep_ms=rep).ms, how
 
 
+def kernel_times(fn, replays):
+    """{kernel name: (calls, total µs)} of `replays` calls of fn under the torch profiler (CUDA only)."""
+    if TINY:
+        return {}
+    fn()
+    sync()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    return {ev.key: (ev.count, ev.device_time_total) for ev in prof.key_averages() if ev.device_time_total > 0}
+
+
 def record_error(section, what, exc):
     RESULTS["errors"].append({"section": section, "what": str(what), "error": f"{type(exc).__name__}: {exc}"[:600],
                               "trace": traceback.format_exc()[-1500:]})
@@ -88,18 +101,6 @@ def decode_inputs(batch, length, hq, hkv, d):
     lens = torch.full((batch,), length, dtype=torch.int32, device=DEV)
     ref = attention_ref(q[:1, None], k[:1], v[:1])[0][0, 0]
     return q, k, v, lens, ref, 2 * k.numel() * k.element_size()
-
-
-def paged_pool(k, v, block, shuffled):
-    """k/v (B, L, Hkv, D) written into a pool of `block`-token blocks, in shuffled or identity order."""
-    batch, length, hkv, d = k.shape
-    blocks = length // block
-    table = _block_table(batch, blocks, shuffled, DEV)
-    k_cache = torch.empty(batch * blocks, block, hkv, d, dtype=k.dtype, device=DEV)
-    v_cache = torch.empty_like(k_cache)
-    k_cache[table.view(-1).long()] = k.view(batch * blocks, block, hkv, d)
-    v_cache[table.view(-1).long()] = v.view(batch * blocks, block, hkv, d)
-    return k_cache, v_cache, table
 
 
 def decode_section():

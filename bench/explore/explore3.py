@@ -33,7 +33,7 @@ def graph_overhead_section():
 
 def prefill_gather_section():
     from ioattn.bench import harness
-    from ioattn.bench.decode import _block_table
+    from ioattn.bench.decode import paged_pool
     from ioattn.ops.paged import paged_attention
     from ioattn.reference import attention_ref, rel_error
     hq, hkv, d, new, ctx = (4, 2, 64, 64, 64) if e1.TINY else (32, 8, 128, 4096, 4096)
@@ -53,12 +53,7 @@ def prefill_gather_section():
     if e1.TINY:
         configs = dict(list(configs.items())[:1])
     for page in ((16,) if e1.TINY else (16, 64, 256)):
-        blocks = total // page
-        table = _block_table(1, blocks, True, e1.DEV)
-        k_cache = torch.empty(blocks, page, hkv, d, dtype=e1.BF16, device=e1.DEV)
-        v_cache = torch.empty_like(k_cache)
-        k_cache[table[0].long()] = k[0].view(blocks, page, hkv, d)
-        v_cache[table[0].long()] = v[0].view(blocks, page, hkv, d)
+        k_cache, v_cache, table = paged_pool(k, v, page, shuffled=True)
         for name, cfg in configs.items():
             try:
                 out = torch.full_like(q[0], float("nan"))

@@ -83,6 +83,20 @@ def _block_table(batch: int, blocks_per_seq: int, shuffled: bool, device) -> tor
     return order.view(batch, blocks_per_seq).to(torch.int32).to(device)
 
 
+def paged_pool(k: torch.Tensor, v: torch.Tensor, page: int, shuffled: bool):
+    """Dense k/v (B, L, Hkv, D) written into a pool of B·L/page blocks of `page` tokens, sequence b's blocks at
+    the entries of row b of the returned block table (shuffled through the pool, or in order):
+    (k_cache, v_cache, block_table)."""
+    batch, length, heads, dim = k.shape
+    blocks = length // page
+    table = _block_table(batch, blocks, shuffled, k.device)
+    k_cache = torch.empty(batch * blocks, page, heads, dim, dtype=k.dtype, device=k.device)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[table.view(-1).long()] = k.reshape(batch * blocks, page, heads, dim)
+    v_cache[table.view(-1).long()] = v.reshape(batch * blocks, page, heads, dim)
+    return k_cache, v_cache, table
+
+
 def _contiguous_block(seqlen: int) -> int:
     return math.gcd(seqlen, CONTIGUOUS_BLOCK)
 
@@ -314,12 +328,7 @@ def chunked_prefill_inputs(heads_q: int, heads_kv: int, head_dim: int, new: int,
     q = torch.randn(1, new, heads_q, head_dim, dtype=dtype, device=device)
     k = torch.randn(1, total, heads_kv, head_dim, dtype=dtype, device=device)
     v = torch.randn(1, total, heads_kv, head_dim, dtype=dtype, device=device)
-    blocks = total // page
-    table = _block_table(1, blocks, True, device)
-    k_cache = torch.empty(blocks, page, heads_kv, head_dim, dtype=dtype, device=device)
-    v_cache = torch.empty_like(k_cache)
-    k_cache[table[0].long()] = k[0].view(blocks, page, heads_kv, head_dim)
-    v_cache[table[0].long()] = v[0].view(blocks, page, heads_kv, head_dim)
+    k_cache, v_cache, table = paged_pool(k, v, page, shuffled=True)
     return PrefillInputs(q, k, v, k_cache, v_cache, table, torch.tensor([0, new], dtype=torch.int32, device=device),
                          torch.tensor([total], dtype=torch.int32, device=device))
 

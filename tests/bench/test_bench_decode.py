@@ -33,6 +33,21 @@ def test_layers_must_be_positive():
         decode.parse_args(["--layers", "0"])
 
 
+def test_paged_pool_holds_each_sequence_through_its_table_row():
+    import torch
+
+    k, v = torch.randn(2, 32, 3, 8), torch.randn(2, 32, 3, 8)
+    for shuffled in (True, False):
+        k_cache, v_cache, table = decode.paged_pool(k, v, 4, shuffled)
+        assert table.dtype == torch.int32 and table.shape == (2, 8) and k_cache.shape == (16, 4, 3, 8)
+        assert sorted(table.view(-1).tolist()) == list(range(16))
+        if not shuffled:
+            assert table.view(-1).tolist() == list(range(16))
+        for b in range(2):
+            assert torch.equal(k_cache[table[b].long()].reshape(32, 3, 8), k[b])
+            assert torch.equal(v_cache[table[b].long()].reshape(32, 3, 8), v[b])
+
+
 def test_chunked_prefill_pool_holds_the_dense_keys_through_its_table():
     import torch
 
