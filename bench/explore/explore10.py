@@ -6,6 +6,7 @@ PYTHONPATH=. python3 bench/explore/explore10.py; writes $OUT/explore10.json (res
 bench/results/2026-12-01-s5-explore10-h200.json; its "gather" row is the torch index_select the script used,
 the library's path uses `gather_cache`). On a CPU: toy shapes.
 """
+import itertools
 import os
 import sys
 
@@ -15,7 +16,8 @@ import explore1 as e1  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-from ioattn.bench.decode import chunked_prefill_inputs  # noqa: E402
+import ioattn.ops.paged as paged  # noqa: E402
+from ioattn.bench.decode import _graphed, chunked_prefill_inputs  # noqa: E402
 from ioattn.ops.paged import paged_attention, paged_workspace  # noqa: E402
 from ioattn.reference import attention_ref, rel_error  # noqa: E402
 
@@ -69,9 +71,13 @@ def prefill_section():
         save()
 
 
-def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=None, layouts=(("paged", 16),)):
-    """Per-layer µs of paged_attention over `layers` cache copies in one graph, per (B, L) and split count;
-    layouts: (name, block size) pairs, "paged" shuffled through the pool, anything else in order."""
+def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=None, layouts=(("paged", 16),),
+                   configs=(None,), dependent_options=(None,), check_graph=False, profile=False):
+    """Per-layer µs of paged_attention over `layers` cache copies in one graph, per (B, L), layout, split count,
+    decode config and combine launch. layouts: (name, block size) pairs, "paged" shuffled through the pool,
+    anything else in order; configs: `PagedConfig`s (None = the default); dependent_options: values of
+    `ioattn.ops.paged.DEPENDENT_COMBINE` (None leaves it). check_graph replays the timed graph once more on a
+    NaN-poisoned output and checks that output; profile adds the torch-profiler kernel list of 5 replays."""
     hq, hkv = heads or ((4, 4) if TINY else (32, 32))
     d = 64 if TINY else 128
     layers = layers or (2 if TINY else 32)
@@ -82,27 +88,49 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
         k_cache, v_cache, table = e1.paged_pool(k, v, page, layout == "paged")
         del k, v
         copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
-        for splits in split_counts:
+        for splits, config, dependent in itertools.product(split_counts, configs, dependent_options):
+            if dependent is not None:
+                paged.DEPENDENT_COMBINE = dependent
             ws = paged_workspace(batch, hq, d, max_splits=splits, device=DEV)
             out = torch.full_like(q, float("nan"))
 
-            def fwd(splits=splits, ws=ws, out=out):
+            def fwd(splits=splits, ws=ws, out=out, config=config):
                 for kc, vc in copies:
-                    paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits)
+                    paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits, config=config)
                 return out
+            what = (batch, length, layout, splits, config_name(config), dependent)
             try:
                 err = rel_error(fwd()[0], ref)
                 ms, how = timed_layers(fwd, layers)
-                e1.RESULTS["decode"].append({"B": batch, "L": length, "heads": f"{hq}/{hkv}", "layout": layout,
-                                             "page": page, "layers": layers, "splits": splits, "us": ms * 1e3,
-                                             "tbps": kv_bytes / ms / 1e9, "error": err, "how": how})
-                print("decode", layout, batch, length, splits, layers, round(ms * 1e3, 1), "us",
-                      round(kv_bytes / ms / 1e9, 2), "TB/s", err, flush=True)
+                row = {"B": batch, "L": length, "heads": f"{hq}/{hkv}", "layout": layout, "page": page,
+                       "layers": layers, "splits": splits, "config": config_name(config), "us": ms * 1e3,
+                       "tbps": kv_bytes / ms / 1e9, "error": err, "how": how}
+                if dependent is not None:
+                    row["dependent_combine"] = dependent
+                if check_graph or profile:
+                    graphed, _ = _graphed(fwd, DEV)
+                if check_graph:
+                    out.fill_(float("nan"))
+                    graphed()
+                    e1.sync()
+                    row["graph_error"] = rel_error(out[0], ref)
+                if profile:
+                    row["kernels"] = {key: {"calls": n, "us_per_call": t / n}
+                                      for key, (n, t) in e1.kernel_times(graphed, 5).items()}
+                e1.RESULTS["decode"].append(row)
+                print("decode", *what, layers, round(ms * 1e3, 1), "us", round(kv_bytes / ms / 1e9, 2), "TB/s", err,
+                      row.get("graph_error", ""), row.get("kernels", ""), flush=True)
             except Exception as exc:  # noqa: BLE001
-                e1.record_error("decode", (batch, length, splits), exc)
+                e1.record_error("decode", what, exc)
             save()
+        paged.DEPENDENT_COMBINE = True
         del copies
         e1.sync()
+
+
+def config_name(config):
+    return "default" if config is None else (f"n{config.block_n} w{config.num_warps} s{config.num_stages} "
+                                             f"r{config.maxnreg}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@
 - Read-only ceiling: a streaming Triton sum over 2 GiB and over 134 MB (B=1 L=32k's K+V) as a lone call, next
   to the copy ceiling: what a decode kernel, which only reads, could reach at all.
 
+The decode rows run through explore10's `decode_section` (merged into it after the recorded run: the
+same measurement, a few more fields per row).
+
 PYTHONPATH=. python3 bench/explore/explore12.py; writes $OUT/explore12.json (results:
 bench/results/2026-12-01-s6-explore12-h200.json). On a CPU: toy shapes.
 """
@@ -16,14 +19,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
+import explore10 as e10  # noqa: E402
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import ioattn.ops.paged as paged  # noqa: E402
-from ioattn.bench.decode import _graphed  # noqa: E402
-from ioattn.reference import rel_error  # noqa: E402
 
 save = e1.save_as("explore12")
 DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
@@ -52,13 +53,14 @@ def read_section(nbytes_list, shapes=((1024, 4, 4), (2048, 4, 4), (1024, 8, 4), 
                 _streaming_sum_kernel[(grid,)](x, partial, x.numel(), BLOCK=block, UNROLL=unroll, num_warps=warps)
                 return partial
             try:
-                err = abs(float(run().double().sum()) - float(x.double().sum())) / max(1.0, float(x.double().abs().sum()))
+                total = x.double()
+                err = abs(float(run().double().sum()) - float(total.sum())) / max(1.0, float(total.abs().sum()))
                 ms, how = e1.timed(run)
-                e1.RESULTS.setdefault("read", []).append({"bytes": nbytes, "block": block, "unroll": unroll, "warps": warps,
-                                                          "us": ms * 1e3, "tbps": nbytes / ms / 1e9, "error": err,
-                                                          "how": how})
-                print("read", nbytes, block, unroll, warps, round(ms * 1e3, 1), "us", round(nbytes / ms / 1e9, 2), "TB/s",
-                      flush=True)
+                e1.RESULTS.setdefault("read", []).append({"bytes": nbytes, "block": block, "unroll": unroll,
+                                                          "warps": warps, "us": ms * 1e3, "tbps": nbytes / ms / 1e9,
+                                                          "error": err, "how": how})
+                print("read", nbytes, block, unroll, warps, round(ms * 1e3, 1), "us", round(nbytes / ms / 1e9, 2),
+                      "TB/s", flush=True)
             except Exception as exc:  # noqa: BLE001
                 e1.record_error("read", (nbytes, block, unroll, warps), exc)
         del x
@@ -66,47 +68,10 @@ def read_section(nbytes_list, shapes=((1024, 4, 4), (2048, 4, 4), (1024, 8, 4), 
         save()
 
 
-def decode_rows(heads, shapes, split_counts, layers, dependent_options=(True,)):
-    """Per-layer µs of paged_attention (page 16, shuffled) per (B, L), split count and combine launch; every
-    graph is replayed once more on a NaN-poisoned output and that output checked."""
-    hq, hkv = heads
-    d = 64 if TINY else 128
-    for batch, length in shapes:
-        q, k, v, lens, ref, kv_bytes = e1.decode_inputs(batch, length, hq, hkv, d)
-        k_cache, v_cache, table = e1.paged_pool(k, v, 16, True)
-        del k, v
-        copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
-        for splits in split_counts:
-            for dependent in dependent_options:
-                paged.DEPENDENT_COMBINE = dependent
-                ws = paged.paged_workspace(batch, hq, d, max_splits=splits, device=DEV)
-                out = torch.full_like(q, float("nan"))
-
-                def fwd(splits=splits, ws=ws, out=out):
-                    for kc, vc in copies:
-                        paged.paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits)
-                    return out
-                try:
-                    err = rel_error(fwd()[0], ref)
-                    ms, how = e1.timed(fwd)
-                    graphed, _ = _graphed(fwd, DEV)
-                    out.fill_(float("nan"))
-                    graphed()
-                    e1.sync()
-                    graph_err = rel_error(out[0], ref)
-                    row = {"B": batch, "L": length, "heads": f"{hq}/{hkv}", "layers": layers, "splits": splits,
-                           "dependent_combine": dependent, "us": ms * 1e3 / layers,
-                           "tbps": kv_bytes / (ms / layers) / 1e9, "error": err, "graph_error": graph_err,
-                           "how": how}
-                    e1.RESULTS["decode"].append(row)
-                    print("decode", hq, hkv, batch, length, splits, "pdl" if dependent else "plain", layers,
-                          round(row["us"], 1), "us", round(row["tbps"], 2), "TB/s", err, graph_err, flush=True)
-                except Exception as exc:  # noqa: BLE001
-                    e1.record_error("decode", (heads, batch, length, splits, dependent), exc)
-                save()
-        paged.DEPENDENT_COMBINE = True
-        del copies
-        e1.sync()
+def decode_rows(heads, shapes, split_counts, layers, dependent_options):
+    """explore10's per-layer decode section, page 16 shuffled, per combine launch, each graph checked."""
+    e10.decode_section(heads=heads, shapes=shapes, split_counts=split_counts, layers=layers,
+                       dependent_options=dependent_options, check_graph=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
-import explore13 as e13  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,7 +54,7 @@ def section(batch, n, heads, d, causal):
             timing = e1.harness.time_ms(bwd, DEV, warmup_ms=25, rep_ms=300, grad_to_none=leaves)
             for t in leaves:
                 t.grad = None
-            kernels = e13.kernel_times(bwd, 5)
+            kernels = e1.kernel_times(bwd, 5)
             results[name] = (grads, leaves)
             row = {"B": batch, "N": n, "H": heads, "D": d, "causal": causal, "backend": name, "ms": timing.ms,
                    "reps": timing.reps, "tflops": 2.5 * 4 * batch * heads * n * n * d * (0.5 if causal else 1)
