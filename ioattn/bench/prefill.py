@@ -322,8 +322,9 @@ def uniform_backward_timing(case_rows: list[Row], ceilings: dict) -> None:
     if not refusing:
         return
     for row in measured:
-        row.ms = row.extra["fwd_bwd_minus_fwd_ms"]
-        row.rate = harness.tflops(row.extra["backward_flops"], row.ms)
+        by_difference = row.extra["fwd_bwd_minus_fwd_ms"]
+        row.rate *= row.ms / by_difference  # the same FLOPs over the other time
+        row.ms = by_difference
         row.ceiling_pct = 100 * row.rate / ceilings["matmul_tflops"][row.case["dtype"]]
         row.extra["backward_timing"] = (f"{BACKWARD_BY_DIFFERENCE}, as every backend of this case "
                                         f"({', '.join(refusing)} refused a second backward)")
@@ -350,21 +351,20 @@ def _measure_backward(runner: Runner, case: Case, ref: Reference, dout: torch.Te
     fwd = harness.time_ms(runner.forward, device, **reps)
     both = harness.time_ms(forward_backward, device, grad_to_none=leaves, **reps)
     out = runner.forward()
-    row.extra["fwd_bwd_minus_fwd_ms"] = both.ms - fwd.ms
+    by_difference = row.extra["fwd_bwd_minus_fwd_ms"] = both.ms - fwd.ms
     try:
         bwd = harness.time_ms(lambda: out.backward(dout, retain_graph=True), device, grad_to_none=leaves, **reps)
         bwd_ms, row.extra["reps"] = bwd.ms, bwd.reps
         row.extra["backward_alone_ms"] = bwd.ms
         row.extra["backward_timing"] = BACKWARD_ALONE
     except Exception as exc:  # noqa: BLE001 — a graph that refuses a second backward only changes how it is timed
-        bwd_ms, row.extra["reps"] = both.ms - fwd.ms, both.reps
+        bwd_ms, row.extra["reps"] = by_difference, both.reps
         row.extra["backward_timing"] = BACKWARD_BY_DIFFERENCE
         row.extra["backward_alone_refused"] = f"{type(exc).__name__}: {exc}"[:300]
     del out
     for t in leaves:
         t.grad = None
     row.ms, row.rate = bwd_ms, harness.tflops(case.flops("backward"), bwd_ms)
-    row.extra["backward_flops"] = case.flops("backward")
     row.extra.update(
         fwd_ms=fwd.ms, fwd_tflops=harness.tflops(case.flops("forward"), fwd.ms),
         fwd_bwd_ms=both.ms, fwd_bwd_tflops=harness.tflops(case.flops("forward+backward"), both.ms),

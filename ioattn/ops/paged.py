@@ -373,7 +373,6 @@ def paged_attention(
         part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
 
     cfg = plan.config
-    dependent = plan.dependent_combine
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,
@@ -386,7 +385,8 @@ def paged_attention(
         scale * math.log2(math.e), left, right, sink_tokens, splits, plan.q_tiles_per_seq,
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
-        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages, RELEASE_DEPENDENTS=dependent,
+        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
+        RELEASE_DEPENDENTS=plan.dependent_combine,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
@@ -396,7 +396,7 @@ def paged_attention(
             part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
-            AFTER_PRIMARY=dependent, **({"launch_pdl": True} if dependent else {}),
+            AFTER_PRIMARY=plan.dependent_combine, **({"launch_pdl": True} if plan.dependent_combine else {}),
         )
     if not return_lse:
         return out

@@ -181,7 +181,7 @@ def test_prefill_runs_end_to_end_with_a_stand_in(tmp_path, monkeypatch, backward
 
 def test_backward_rows_of_a_case_share_one_timing_method():
     def row(backend, alone_ms, by_difference_ms):
-        extra = {"fwd_bwd_minus_fwd_ms": by_difference_ms, "backward_flops": 2e12}
+        extra = {"fwd_bwd_minus_fwd_ms": by_difference_ms}
         if alone_ms is None:
             extra.update(backward_timing=prefill.BACKWARD_BY_DIFFERENCE, backward_alone_refused="RuntimeError: x")
         else:
