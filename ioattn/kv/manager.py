@@ -4,8 +4,9 @@ The manager owns no tensors. It maps every sequence's logical token positions on
 `block_size` slots (slot = block * block_size + offset) and hands the runner plans: block tables, slot
 mappings, copy-on-write (src, dst) pairs and swap (from, to) lists. Running out of blocks is not an error:
 a call returns None with the state unchanged, and the engine decides (wait, preempt, swap). Bad input
-(unknown or duplicate sequence ids, a sequence in the wrong place, impossible positions) raises ValueError
-naming the argument, with the state unchanged.
+(unknown, unhashable or duplicate sequence ids, a sequence in the wrong place, impossible positions, token ids
+that are not plain ints in [0, 2**63)) raises ValueError naming the argument, with the state unchanged: every
+verb checks its input before it changes anything, and nothing after those checks can raise.
 
 Decisions, and why:
 
@@ -71,6 +72,8 @@ from ioattn.kv.stats import KVStats, collect
 
 # A reserved token whose value is not known yet (see `append` and `fill`); never a real token id.
 PLACEHOLDER = -1
+# Token ids are hashed as int64 (prefix_hash.block_digest): a real id is a plain int (not bool) below this.
+TOKEN_ID_LIMIT = 2**63
 # Block tables are int32 arrays: the runner's (and the kernels') layout, copied to it without conversion.
 TABLE_TYPECODE = "i"
 assert array(TABLE_TYPECODE).itemsize == 4
@@ -99,6 +102,21 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+def all_token_ids(tokens: list, lowest: int = 0, limit: int = TOKEN_ID_LIMIT) -> bool:
+    """Every token a plain int (not bool, no subclass) in [lowest, limit): one pass, ~40 ns a token."""
+    for token in tokens:
+        if type(token) is not int or not lowest <= token < limit:
+            return False
+    return True
+
+
+def _check_token_ids(name: str, tokens: list, lowest: int = 0) -> None:
+    if not all_token_ids(tokens, lowest):
+        bad = [t for t in tokens if type(t) is not int or not lowest <= t < TOKEN_ID_LIMIT]
+        allowed = "ints in [0, 2**63)" + (" or PLACEHOLDER (-1)" if lowest == PLACEHOLDER else "")
+        raise ValueError(f"{name} must be {allowed}, got {bad[:5]!r}")
+
+
 class KVCacheManager:
     """Block tables over a GPU pool of `num_blocks` blocks of `block_size` token slots, and an optional CPU
     swap pool of `num_cpu_blocks`; see the module docstring for the policies."""
@@ -115,7 +133,7 @@ class KVCacheManager:
         _check_count("num_blocks", num_blocks, 1)
         _check_count("block_size", block_size, 1)
         _check_count("num_cpu_blocks", num_cpu_blocks, 0)
-        if not 0.0 <= watermark < 1.0:
+        if not isinstance(watermark, (int, float)) or isinstance(watermark, bool) or not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -138,14 +156,20 @@ class KVCacheManager:
 
     # -- lookups -----------------------------------------------------------------------------------------
 
+    def _find(self, seq_id: Hashable, name: str = "seq_id") -> Sequence | None:
+        try:
+            return self.seqs.get(seq_id)
+        except TypeError:
+            raise ValueError(f"{name} must be hashable, got {type(seq_id).__name__}") from None
+
     def _get(self, seq_id: Hashable) -> Sequence:
-        seq = self.seqs.get(seq_id)
+        seq = self._find(seq_id)
         if seq is None:
             raise ValueError(f"seq_id {seq_id!r}: unknown sequence (never allocated, or already freed)")
         return seq
 
     def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
-        seq = self.seqs.get(seq_id)
+        seq = self._find(seq_id)
         if seq is None or not seq.on_gpu:
             self._get(seq_id)
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap_in before {action}")
@@ -174,14 +198,16 @@ class KVCacheManager:
         Slots for every prompt token are reserved; the first (returned) tokens' KV is already in the cache,
         so their prefill is skipped. None when the blocks would cut into the watermark; state unchanged.
         """
-        if seq_id in self.seqs:
+        if self._find(seq_id) is not None:
             raise ValueError(f"seq_id {seq_id!r} already exists")
         check_extra_key(extra_key)
         tokens = list(token_ids)
         if not tokens:
             raise ValueError("token_ids must hold at least one token")
-        if PLACEHOLDER in tokens:
-            raise ValueError("token_ids holds a PLACEHOLDER: a prompt's prefix hits need every token's value")
+        if not all_token_ids(tokens):
+            if PLACEHOLDER in tokens:
+                raise ValueError("token_ids holds a PLACEHOLDER: a prompt's prefix hits need every token's value")
+            _check_token_ids("token_ids", tokens)
         needed = cdiv(len(tokens), self.block_size)
         if needed > self.num_blocks - self.watermark_blocks:
             raise ValueError(
@@ -213,6 +239,7 @@ class KVCacheManager:
         """
         seq = self._on_gpu(seq_id, "append")
         new_tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        _check_token_ids("token_ids", new_tokens, lowest=PLACEHOLDER)
         bs = self.block_size
         old_len = len(seq.token_ids)
         fresh = cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
@@ -235,17 +262,17 @@ class KVCacheManager:
     def fill(self, seq_id: Hashable, position: int, token_id: int) -> None:
         """The value of the PLACEHOLDER reserved at `position` has arrived (on the GPU or swapped out)."""
         seq = self._get(seq_id)
-        if not (isinstance(position, int) and 0 <= position < len(seq.token_ids)
+        if not (type(position) is int and 0 <= position < len(seq.token_ids)
                 and seq.token_ids[position] == PLACEHOLDER):
             raise ValueError(f"position {position!r} of seq_id {seq_id!r} does not hold a PLACEHOLDER")
-        if not (isinstance(token_id, int) and token_id >= 0):
-            raise ValueError(f"token_id must be an int >= 0, got {token_id!r}")
+        if not (type(token_id) is int and 0 <= token_id < TOKEN_ID_LIMIT):
+            raise ValueError(f"token_id must be an int in [0, 2**63), got {token_id!r}")
         seq.token_ids[position] = token_id
 
     def mark_computed(self, seq_id: Hashable, num_tokens: int) -> None:
         """The KV of the sequence's first num_tokens tokens is written: its full blocks become cacheable."""
         seq = self._on_gpu(seq_id, "mark_computed")
-        if not isinstance(num_tokens, int) or not seq.num_computed <= num_tokens <= len(seq.token_ids):
+        if type(num_tokens) is not int or not seq.num_computed <= num_tokens <= len(seq.token_ids):
             raise ValueError(
                 f"num_tokens must be an int in [{seq.num_computed}, {seq.num_tokens}] (already computed .. "
                 f"reserved) for seq_id {seq_id!r}, got {num_tokens!r}"
@@ -255,11 +282,14 @@ class KVCacheManager:
         if hashed and PLACEHOLDER in seq.token_ids[hashed.start * bs : hashed.stop * bs]:
             raise ValueError(f"tokens [{hashed.start * bs}, {hashed.stop * bs}) of seq_id {seq_id!r} hold a "
                              "PLACEHOLDER: fill it before mark_computed hashes their blocks")
-        seq.num_computed = num_tokens
+        # Hash first, then change state: nothing below the hashing can raise.
+        chain, parent = [], seq.digests[-1] if seq.digests else ROOT
         for i in hashed:
-            parent = seq.digests[-1] if seq.digests else ROOT
             key = block_key(parent, seq.token_ids[i * bs : (i + 1) * bs], seq.extra_key)
-            digest = block_digest(key)
+            parent = block_digest(key)
+            chain.append((key, parent))
+        seq.num_computed = num_tokens
+        for i, (key, digest) in zip(hashed, chain):
             seq.digests.append(digest)
             if seq.blocks[i] != EVICTED:
                 self.gpu.register(seq.blocks[i], key, digest)
@@ -267,7 +297,7 @@ class KVCacheManager:
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child shares every block of the parent (n > 1 sampling, beam search)."""
         parent = self._on_gpu(parent_id, "fork")
-        if child_id in self.seqs:
+        if self._find(child_id, "child_id") is not None:
             raise ValueError(f"child_id {child_id!r} already exists")
         if PLACEHOLDER in parent.token_ids:
             # Each sharer would fill its own value into the one shared block.
@@ -371,7 +401,9 @@ class KVCacheManager:
         evict one of them). The digests are what another manager's `import_prefix` checks.
         """
         check_extra_key(extra_key)
-        hits, digests = self._hits(list(token_ids), extra_key)
+        tokens = list(token_ids)
+        _check_token_ids("token_ids", tokens)
+        hits, digests = self._hits(tokens, extra_key)
         return list(zip(hits, digests))
 
     def import_prefix(
@@ -390,6 +422,7 @@ class KVCacheManager:
             raise ValueError("import_prefix needs enable_prefix_caching=True: imported blocks enter the prefix cache")
         check_extra_key(extra_key)
         tokens, digests = list(token_ids), list(digests)
+        _check_token_ids("token_ids", tokens)
         bs = self.block_size
         if len(digests) * bs > len(tokens):
             raise ValueError(f"token_ids: {len(tokens)} tokens cannot fill {len(digests)} blocks of {bs} (digests)")

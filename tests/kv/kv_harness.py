@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from ioattn.kv import EVICTED, KVCacheManager
+from ioattn.kv import EVICTED, PLACEHOLDER, KVCacheManager
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key
 
 # Shared prompt prefixes: different lengths, one a continuation of another, so hits stop at various depths.
@@ -18,6 +18,9 @@ PREFIXES = ([], [7, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [7, 7, 1, 2, 3, 4, 5, 6, 
 EXTRA_KEYS = (None, None, None, "adapter-a")
 # allocate's default: draw the extra_key at random.
 RANDOM_EXTRA_KEY = object()
+# Not a token id: wrong types, bool, out of int64, negative (PLACEHOLDER only where a verb allows it).
+BAD_TOKEN_IDS = ("a", 1.5, None, 2**70, 2**63, True, False, -2, float("nan"), (1,), object())
+BAD_COUNTS = (True, 1.5, "3", None, 2**70)
 
 
 def chain_keys(tokens: list[int], block_size: int, extra_key) -> list[tuple]:
@@ -56,7 +59,7 @@ def random_manager(rng: random.Random) -> KVCacheManager:
 class KVHarness:
     # free appears twice so that memory pressure comes and goes instead of pinning the pool full.
     OPS = ("allocate", "resume", "append", "compute", "fork", "free", "free", "swap_out", "swap_in",
-           "evict_window", "read", "export_prefix", "import_prefix", "bad_input")
+           "evict_window", "read", "export_prefix", "import_prefix", "bad_input", "bad_token_ids")
 
     def __init__(self, manager: KVCacheManager):
         self.m = manager
@@ -295,6 +298,44 @@ class KVHarness:
             self.outcomes[f"bad_input:{name}"] += 1
         else:
             raise AssertionError(f"bad input to {name} did not raise")
+
+    def bad_token_ids(self, rng: random.Random) -> None:
+        """A token id that is not one, at a random place of an otherwise valid call (or a bad count): ValueError
+        naming the argument, nothing changed, and the sequence's later verbs all still work (a bad id used to be
+        stored and to break mark_computed's hashing after it had changed the state)."""
+        bad = rng.choice(BAD_TOKEN_IDS)
+        tokens = self._prompt(rng)
+        tokens.insert(rng.randint(0, len(tokens)), bad)
+        running = self._pick(rng, on_gpu=True)
+        calls = [("allocate", "token_ids", lambda: self.m.allocate(self._new_id(), tokens)),
+                 ("export_prefix", "token_ids", lambda: self.m.export_prefix(tokens))]
+        if self.m.enable_prefix_caching:
+            calls.append(("import_prefix", "token_ids", lambda: self.m.import_prefix(tokens, [])))
+        if running is not None:
+            seq = self.m.seqs[running]
+            calls += [("append", "token_ids", lambda: self.m.append(running, tokens[-rng.randint(1, 2):] + [bad])),
+                      ("mark_computed", "num_tokens", lambda: self.m.mark_computed(running, rng.choice(BAD_COUNTS)))]
+            placeholders = [i for i, t in enumerate(seq.token_ids) if t == PLACEHOLDER]
+            if placeholders or self.m.append(running, [PLACEHOLDER]) is not None:
+                position = (placeholders or [seq.num_tokens - 1])[0]
+                calls += [("fill", "token_id", lambda: self.m.fill(running, position, bad)),
+                          ("fill", "position", lambda: self.m.fill(running, rng.choice(BAD_COUNTS[:2]), 1))]
+        name, argument, call = rng.choice(calls)
+        before = snapshot(self.m)
+        try:
+            call()
+        except ValueError as error:
+            assert argument in str(error), (name, str(error))
+            self._expect_unchanged(before, name)
+            self.outcomes[f"bad_token_ids:{name}"] += 1
+        else:
+            raise AssertionError(f"{name} took {argument} {bad!r}")
+        if running is not None:
+            seq = self.m.seqs[running]
+            for i, token in enumerate(seq.token_ids):
+                if token == PLACEHOLDER:
+                    self.m.fill(running, i, rng.randrange(4))
+            self.m.mark_computed(running, seq.num_tokens)
 
     # -- whole runs ----------------------------------------------------------------------------------------
 

@@ -282,6 +282,28 @@ def test_placeholder_reserves_a_slot_and_is_hashed_only_once_filled():
         (lambda m: m.fill("p", 7, 1), "does not hold a PLACEHOLDER"),
         (lambda m: m.fork("p", "z"), "PLACEHOLDER"),
         (lambda m: m.mark_computed("q", 8), "PLACEHOLDER"),
+        (lambda m: m.fill("p", 6, 2**70), "token_id"),
+        (lambda m: m.fill("p", 6, True), "token_id"),
+        (lambda m: m.fill("p", 6, 1.0), "token_id"),
+        (lambda m: m.fill("p", True, 1), "position"),
+        (lambda m: m.allocate("new", [1, "a"]), r"token_ids must be ints in \[0, 2\*\*63\), got \['a'\]"),
+        (lambda m: m.allocate("new", [1.5]), "token_ids"),
+        (lambda m: m.allocate("new", [None]), "token_ids"),
+        (lambda m: m.allocate("new", [2**70]), "token_ids"),
+        (lambda m: m.allocate("new", [2**63]), "token_ids"),
+        (lambda m: m.allocate("new", [True]), "token_ids"),
+        (lambda m: m.allocate("new", [-2]), "token_ids"),
+        (lambda m: m.allocate(["unhashable"], [1]), "seq_id must be hashable"),
+        (lambda m: m.append("a", ["a"]), r"token_ids must be ints in \[0, 2\*\*63\) or PLACEHOLDER"),
+        (lambda m: m.append("a", [1, 2**70]), "token_ids"),
+        (lambda m: m.append("a", [True]), "token_ids"),
+        (lambda m: m.append("a", [-2]), "token_ids"),
+        (lambda m: m.append({}, [1]), "seq_id must be hashable"),
+        (lambda m: m.mark_computed("a", True), "num_tokens"),
+        (lambda m: m.mark_computed("a", 6.0), "num_tokens"),
+        (lambda m: m.export_prefix([1, None]), "token_ids"),
+        (lambda m: m.import_prefix([1, 2, 3, "x"], []), "token_ids"),
+        (lambda m: m.fork("a", ["x"]), "child_id must be hashable"),
         (lambda m: m.free("ghost"), "unknown sequence"),
         (lambda m: m.allocate("a", [1]), "already exists"),
         (lambda m: m.allocate("new", []), "at least one token"),
@@ -324,6 +346,19 @@ def test_bad_input_raises_and_changes_nothing(call, match):
     before = snapshot(m)
     with pytest.raises(ValueError, match=match):
         call(m)
+    assert snapshot(m) == before
+
+
+def test_mark_computed_hashes_before_it_changes_anything():
+    """Even a token that slipped past the checks (here written in by hand) fails the hashing before num_computed,
+    the digests or the prefix cache move: no half-registered chain."""
+    m = KVCacheManager(8, BS, watermark=0.0)
+    m.allocate("a", list(range(12)))
+    m.mark_computed("a", 4)
+    m.seqs["a"].token_ids[9] = 2**70
+    before = snapshot(m)
+    with pytest.raises(OverflowError):
+        m.mark_computed("a", 12)
     assert snapshot(m) == before
 
 

@@ -1,4 +1,5 @@
-"""Random interleavings of every KVCacheManager operation, check_invariants() after each step.
+"""Random interleavings of every KVCacheManager operation (bad token ids and counts among them), check_invariants()
+after each step.
 
 CI: a hypothesis state machine (100 examples x up to 100 steps, shrinking on failure) plus a 20k-step plain
 random soak. `-m slow` runs the 10^6-step soak; the same run works as a script for the benchmark note:
@@ -56,7 +57,9 @@ def test_random_soak_ci():
     # The walk must actually reach the interesting states, or the soak proves little.
     for outcome in ("allocate:hit", "allocate:none", "append:cow", "append:none", "swap_out:ok", "swap_in:ok",
                     "evict_window:ok", "evictions", "resume_hit_tokens", "export_prefix:hit", "import_prefix:write",
-                    "import_prefix:none", "import_prefix:allocate_hit", "bad_input:import_prefix"):
+                    "import_prefix:none", "import_prefix:allocate_hit", "bad_input:import_prefix",
+                    "bad_token_ids:allocate", "bad_token_ids:append", "bad_token_ids:fill",
+                    "bad_token_ids:mark_computed", "bad_token_ids:export_prefix"):
         assert outcomes[outcome] > 0, outcome
 
 
