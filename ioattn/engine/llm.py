@@ -5,8 +5,9 @@
     outputs[0].outputs[0].text
 
 Every prompt goes into the engine at once and continuous batching runs them to completion; outputs come back
-in input order. A prompt the engine refuses (empty, too long, an unknown token id) does not stop the others: its
-`RequestOutput` is finished with no completions and `error` saying why.
+in input order. A prompt the engine refuses (empty, too long, one UTF-8 cannot encode, an unknown token id, or
+sampling values the model cannot serve) does not stop the others: its `RequestOutput` is finished with no
+completions and `error` saying why. Arguments that are not prompts or parameters at all raise ValueError.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class LLM:
         inputs = _inputs(prompts, prompt_token_ids)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(inputs)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (beam search: "
+                             f"LLM.beam_search), got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(inputs):
@@ -118,7 +122,7 @@ class LLM:
                 ids = request_input.get("prompt_token_ids")
                 pending.discard(request_id)
                 results[request_id] = RequestOutput(
-                    request_id, request_input.get("prompt"), list(ids) if isinstance(ids, Seq) else [], [],
+                    request_id, request_input.get("prompt"), list(ids) if isinstance(ids, (list, tuple)) else [], [],
                     finished=True, metrics=RequestMetrics(arrival_time=0.0), error=str(error),
                 )
         from tqdm.auto import tqdm
@@ -137,6 +141,11 @@ def _inputs(prompts, prompt_token_ids) -> list[dict]:
     if (prompts is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompts and prompt_token_ids")
     if prompts is not None:
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
         return [dict(prompt=p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids must be a list of ints or a list of such lists, "
+                         f"got {type(prompt_token_ids).__name__}")
     single = len(prompt_token_ids) > 0 and isinstance(prompt_token_ids[0], int)
     return [dict(prompt_token_ids=ids) for ids in ([prompt_token_ids] if single else prompt_token_ids)]

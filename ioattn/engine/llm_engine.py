@@ -35,14 +35,17 @@ must see. `TensorParallelEngine` never overlaps (its workers read input tokens f
 does the disaggregated prefill worker (it would ship each prompt a step later). `stats()["scheduling"]` says
 how many steps overlapped, why the others did not, and how many tokens were computed in vain.
 
-Bad input (an empty or too-long prompt, an unknown token id, a duplicate request id, invalid sampling values)
-raises ValueError from `add_request` for that request only; the engine's state is unchanged and it keeps
-serving the others.
+Bad input (an empty or too-long prompt, one UTF-8 cannot encode, an unknown token id, a duplicate request id,
+sampling values that are invalid or that this model cannot serve, a bad arrival time or priority) raises
+ValueError naming the argument from `add_request` for that request only: every argument is checked before
+anything is registered, so the engine's state is unchanged and it keeps serving the others. What passes those
+checks cannot make a later `step()` fail (`check_params` says what a model can serve; the server calls it too).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
@@ -53,11 +56,14 @@ import torch
 from ioattn.engine.async_step import LaunchedStep
 from ioattn.engine.outputs import Request, request_output
 from ioattn.engine.runner import Batch, ModelRunner
-from ioattn.engine.sampling import BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker
-from ioattn.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from ioattn.engine.sampling import (BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker,
+                                    _is_int, _number)
+from ioattn.engine.scheduler import (MODES, POLICIES, PREEMPTION_MODES, ScheduledChunk, Scheduler, SchedulerConfig,
+                                     SchedulerOutput)
 from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
 from ioattn.engine.transfer import HostCopy, to_device
 from ioattn.kv import PLACEHOLDER, KVCacheManager
+from ioattn.kv.manager import all_token_ids
 from ioattn.models.loader import LoadedModel, load_model
 
 # KV pool on a CPU device when num_blocks is not given (there is no device memory to profile).
@@ -91,15 +97,29 @@ class EngineConfig:
     device: str | torch.device | None = None
 
     def __post_init__(self):
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        def require(ok: bool, name: str, allowed: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("max_model_len", "num_blocks", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            require(value is None or (_is_int(value) and value >= 1), name, "None or an int >= 1")
+        require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1")
+        require(0 < _number(self.gpu_memory_utilization) <= 1, "gpu_memory_utilization", "in (0, 1]")
         block_size = self.block_size
-        if not (isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space!r}")
-        if self.async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be None, True or False, got {self.async_scheduling!r}")
+        require(_is_int(block_size) and block_size >= 1 and block_size & (block_size - 1) == 0, "block_size",
+                "a power of two >= 1")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            require(isinstance(getattr(self, name), bool), name, "True or False")
+        for name, allowed in (("preemption_mode", PREEMPTION_MODES), ("policy", POLICIES), ("scheduling", MODES)):
+            require(isinstance(getattr(self, name), str) and getattr(self, name) in allowed, name, f"one of {allowed}")
+        require(0 <= _number(self.swap_space) < math.inf, "swap_space", "a finite number of GiB >= 0")
+        # Swap preemption with no CPU pool would fail at the first preemption, inside a step.
+        require(self.preemption_mode != "swap" or self.swap_space > 0, "swap_space",
+                '> 0 GiB with preemption_mode="swap" (the CPU pool swapped-out blocks go to)')
+        require(0 <= _number(self.watermark) < 1, "watermark", "in [0, 1)")
+        require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
+                "None, True or False")
 
 
 class LLMEngine:
@@ -129,6 +149,9 @@ class LLMEngine:
         block_bytes = ModelRunner.block_bytes(loaded.config, config.block_size, dtype)
         num_blocks = config.num_blocks or self._default_num_blocks(device, block_bytes, batched)
         num_cpu_blocks = int(config.swap_space * GiB) // block_bytes if config.preemption_mode == "swap" else 0
+        if config.preemption_mode == "swap" and num_cpu_blocks == 0:
+            raise ValueError(f"swap_space ({config.swap_space!r} GiB) holds no KV block of {block_bytes} bytes: "
+                             'preemption_mode="swap" needs at least one (raise swap_space, or use "recompute")')
         self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark)
         # Admission leaves the watermark free, so that is what one sequence of max_model_len must fit in.
@@ -176,63 +199,103 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError (state unchanged) when the request is invalid."""
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        """Queue a request; returns its id. Raises ValueError naming the argument when the request is invalid, with
+        the state unchanged: every argument is checked before anything is registered."""
+        request_id = self._new_request_id(request_id)
+        params = self.check_params(SamplingParams() if params is None else params)
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
+        if arrival_time is not None and not math.isfinite(_number(arrival_time)):
+            raise ValueError(f"arrival_time must be None or a finite number (time.monotonic() seconds), "
+                             f"got {arrival_time!r}")
+        if not _is_int(priority):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         beam_search = isinstance(params, BeamSearchParams)
         width = params.beam_width if beam_search else params.n
-        if width > self.scheduler_config.max_num_seqs:
-            name = "beam_width" if beam_search else "n"
-            raise ValueError(f"{name} ({width}) must be <= max_num_seqs ({self.scheduler_config.max_num_seqs})")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        reservation = width * -(-self.max_model_len // self.config.block_size)
-        if self.scheduler_config.mode == "static" and reservation > self._admissible_blocks:
-            raise ValueError(f"static scheduling reserves max_model_len for each of the {width} sequences: "
-                             f"{reservation} blocks, more than the pool's {self._admissible_blocks}")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
+        arrival = time.monotonic() if arrival_time is None else float(arrival_time)
         seq = Sequence(next(self._seq_ids), request_id, token_ids, len(token_ids), arrival, priority, width=width)
         request = Request(request_id, prompt, list(token_ids), params, [seq], RequestMetrics(arrival_time=arrival))
         if beam_search:
             request.beam = BeamSearch(params, eos_token_ids=self.eos_token_ids, prompt_len=len(token_ids),
                                       max_model_len=self.max_model_len)
-            self._num_beam_requests += 1
         else:
             request.checkers = [
                 StopChecker(params, self.tokenizer, token_ids, self.eos_token_ids, self.max_model_len)
                 for _ in range(params.n)
             ]
             request.generators = [params.generator(i, device=self.runner.device) for i in range(params.n)]
-        self.requests[request_id] = request
+        # The scheduler first: it is the only step that compares this request with others; nothing after it raises.
         self.scheduler.add(seq)
+        self.requests[request_id] = request
+        self._num_beam_requests += beam_search
+        return request_id
+
+    def check_params(self, params: SamplingParams | BeamSearchParams) -> SamplingParams | BeamSearchParams:
+        """`params` if this engine can serve them, else ValueError naming the field: their values are checked again
+        (a dataclass may be changed after it was built), then against the model and the engine: stop token ids
+        inside the vocabulary, no more logprobs than tokens, n / beam_width within max_num_seqs (and, scheduling
+        statically, their max-length reservations within the pool). Reads only settings fixed at construction."""
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be a SamplingParams or BeamSearchParams, got {type(params).__name__}")
+        params.__post_init__()
+        vocab = self.vocab_size
+        out_of_vocab = [t for t in params.stop_token_ids if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {out_of_vocab[:5]}")
+        beam_search = isinstance(params, BeamSearchParams)
+        if not beam_search and params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be <= the vocabulary size ({vocab}), got {params.logprobs}")
+        name, width = ("beam_width", params.beam_width) if beam_search else ("n", params.n)
+        if width > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"{name} ({width}) must be <= max_num_seqs ({self.scheduler_config.max_num_seqs})")
+        reservation = width * -(-self.max_model_len // self.config.block_size)
+        if self.scheduler_config.mode == "static" and reservation > self._admissible_blocks:
+            raise ValueError(f"{name}: static scheduling reserves max_model_len for each of the {width} sequences: "
+                             f"{reservation} blocks, more than the pool's {self._admissible_blocks}")
+        return params
+
+    def _new_request_id(self, request_id) -> str:
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self.requests:  # a caller's own id may look like a generated one
+                request_id = str(next(self._request_ids))
+            return request_id
+        if not isinstance(request_id, str) and not _is_int(request_id):
+            raise ValueError(f"request_id must be a str (or an int, or None), got {type(request_id).__name__}")
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         return request_id
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: Seq[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (a string) and prompt_token_ids (a list of ints)")
+        vocab = self.vocab_size
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"prompt must be a non-empty string, got {prompt!r}")
+            _check_utf8("prompt", prompt)
             token_ids = self.tokenizer.encode(prompt)
+            if not all_token_ids(token_ids, limit=vocab):
+                raise ValueError(f"prompt: the tokenizer gave ids outside the model's vocabulary [0, {vocab}): "
+                                 f"{_bad_token_ids(token_ids, vocab)[:5]}")
         else:
+            if not isinstance(prompt_token_ids, Seq) or isinstance(prompt_token_ids, (str, bytes, bytearray)):
+                raise ValueError(f"prompt_token_ids must be a list of ints, got {type(prompt_token_ids).__name__}")
             token_ids = list(prompt_token_ids)
-            bad = [t for t in token_ids
-                   if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
+            if not all_token_ids(token_ids, limit=vocab):
+                raise ValueError(f"prompt_token_ids must be ints in [0, {vocab}), "
+                                 f"got {_bad_token_ids(token_ids, vocab)[:5]}")
+        name = "prompt" if prompt is not None else "prompt_token_ids"
         if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
+            raise ValueError(f"{name} is empty: it must hold at least one token")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")
+            raise ValueError(f"{name} is {len(token_ids)} tokens, longer than max_model_len ({self.max_model_len})")
         return token_ids
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free all its blocks now; False if it is unknown or already finished."""
+        if not isinstance(request_id, str) and not _is_int(request_id):
+            raise ValueError(f"request_id must be a str (or an int), got {type(request_id).__name__}")
         request = self.requests.get(str(request_id))
         if request is None:
             return False
@@ -489,3 +552,17 @@ class LLMEngine:
                 "synchronous_steps": self.num_steps - self.num_overlapped_steps,
                 "discarded_tokens": self.num_discarded_tokens, "status": why}
 
+
+def _check_utf8(name: str, text: str) -> None:
+    """ValueError unless UTF-8 can encode text (a lone surrogate, e.g. from a JSON "\\ud800" escape, cannot)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} must be text that UTF-8 can encode: the character at index {error.start} "
+                         f"({text[error.start]!r}) is a lone surrogate") from None
+
+
+def _bad_token_ids(ids: list, vocab: int) -> list:
+    return [t for t in ids if type(t) is not int or not 0 <= t < vocab]

@@ -32,6 +32,11 @@ from ioattn.engine.transfer import to_device
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 OUTPUT_KINDS = ("cumulative", "final_only")
+# torch.Generator.manual_seed takes [-2**63, 2**64); sample i of a request draws from seed + i.
+SEED_RANGE = (-(2**63), 2**64)
+# Beam scores divide by length ** length_penalty: within this bound it is a finite, non-zero float for every
+# length below 2**64, so ranking beams can neither overflow nor divide by zero.
+MAX_LENGTH_PENALTY = 16.0
 
 
 def _is_int(value) -> bool:
@@ -40,7 +45,12 @@ def _is_int(value) -> bool:
 
 def _number(value) -> float:
     """The value as a float for range checks; NaN (failing every check) when it is not a real number."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.nan
 
 
 def _require(ok: bool, name: str, allowed: str, value) -> None:
@@ -71,13 +81,13 @@ class _StopParams:
         if self.max_tokens is not None:
             _require(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})",
                      self.min_tokens)
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _require(all(isinstance(s, str) and s for s in stop), "stop", "a non-empty string or a list of them",
-                 self.stop)
-        stop_token_ids = list(self.stop_token_ids or [])
-        _require(all(_is_int(t) and t >= 0 for t in stop_token_ids), "stop_token_ids", "a list of token ids >= 0",
-                 self.stop_token_ids)
-        self.stop, self.stop_token_ids = stop, stop_token_ids
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
+        _require(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), "stop",
+                 "a non-empty string or a list of them", self.stop)
+        stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        _require(isinstance(stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop_token_ids),
+                 "stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
+        self.stop, self.stop_token_ids = list(stop), list(stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _require(isinstance(getattr(self, name), bool), name, "True or False", getattr(self, name))
         _require(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {OUTPUT_KINDS}", self.output_kind)
@@ -110,7 +120,10 @@ class SamplingParams(_StopParams):
                  self.repetition_penalty)
         _require(-2 <= _number(self.presence_penalty) <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         _require(-2 <= _number(self.frequency_penalty) <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _require(self.seed is None or _is_int(self.seed), "seed", "an int or None", self.seed)
+        low, high = SEED_RANGE
+        _require(self.seed is None or (_is_int(self.seed) and low <= self.seed and self.seed + self.n <= high),
+                 "seed", "None or an int in [-2**63, 2**64 - n] (sample i seeds a torch.Generator with seed + i)",
+                 self.seed)
         _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
 
@@ -146,7 +159,8 @@ class BeamSearchParams(_StopParams):
         _require(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", "an int >= 1", self.beam_width)
         self.n = self.beam_width if self.n is None else self.n
         _require(_is_int(self.n) and 1 <= self.n <= self.beam_width, "n", "an int in [1, beam_width]", self.n)
-        _require(math.isfinite(_number(self.length_penalty)), "length_penalty", "finite", self.length_penalty)
+        _require(abs(_number(self.length_penalty)) <= MAX_LENGTH_PENALTY, "length_penalty",
+                 f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]", self.length_penalty)
         _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
                  'False, True or "never"', self.early_stopping)
         _require(not self.stop, "stop", "empty for beam search (use stop_token_ids)", self.stop)
@@ -241,12 +255,14 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, top_ids, top_logprobs)
 
     def _mask_early_stops(self, logits, params, history) -> None:
-        rows, ids = [], []
+        rows, ids, vocab = [], [], logits.shape[1]
         for i, p in enumerate(params):
             if p.min_tokens and len(_history(history, i)[1]) < p.min_tokens:
                 stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                # An id outside the vocabulary can never be sampled: nothing to mask (and no index to write).
+                stops = sorted(t for t in stops if t < vocab)
                 rows += [i] * len(stops)
-                ids += sorted(stops)
+                ids += stops
         if rows:
             logits[to_device(rows, torch.int64, logits.device), to_device(ids, torch.int64, logits.device)] = -math.inf
 
@@ -291,9 +307,10 @@ def _column(values, device) -> torch.Tensor:
 
 
 def _token_counts(id_lists, vocab: int, device) -> torch.Tensor:
-    """(rows, vocab) float32: how often each token occurs in each row's list (ids < 0 are not counted)."""
+    """(rows, vocab) float32: how often each token occurs in each row's list (ids outside [0, vocab) are not
+    counted: a pending one is < 0, and no other row's counts may be touched)."""
     counts = torch.zeros(len(id_lists), vocab, dtype=torch.float32, device=device)
-    flat = [r * vocab + t for r, ids in enumerate(id_lists) for t in ids if t >= 0]
+    flat = [r * vocab + t for r, ids in enumerate(id_lists) for t in ids if 0 <= t < vocab]
     if flat:
         counts.view(-1).scatter_add_(0, to_device(flat, torch.int64, device), torch.ones(len(flat), device=device))
     return counts
@@ -311,7 +328,7 @@ def truncate(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Te
     if any(p.top_k > 0 or p.top_p < 1 for p in params):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
-        top_k = _column([p.top_k if p.top_k > 0 else vocab for p in params], device)
+        top_k = _column([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)
         drop = rank >= top_k
         sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, -math.inf), dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -467,7 +484,7 @@ class BeamSearch:
         width, length = self.params.beam_width, len(self.running[0].token_ids)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         if length < self.params.min_tokens and self.stop_ids:
-            logprobs[:, self.stop_ids] = -math.inf
+            logprobs[:, [t for t in self.stop_ids if t < logits.shape[1]]] = -math.inf
         scores = logprobs + torch.tensor([b.score for b in self.running], device=logprobs.device)[:, None]
         beams_to_keep = min(max(2, 1 + len(self.stop_ids)) * width, scores.numel())
         top_scores, top_indices = scores.flatten().topk(beams_to_keep)

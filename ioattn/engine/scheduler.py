@@ -103,6 +103,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        if config.preemption_mode == "swap" and kv.cpu.num_blocks == 0:
+            raise ValueError('preemption_mode="swap" needs a CPU pool: construct the KV manager with num_cpu_blocks > 0')
         self.num_preemptions = 0
         self._by_priority = config.policy == "priority"
         # Static mode: blocks promised to the current batch's max-length reservations.
@@ -117,8 +119,8 @@ class Scheduler:
         bisect.insort(queue, seq, key=self._key)
 
     def add(self, seq: Sequence) -> None:
+        self._insert(self.waiting, seq)  # first: the only step that can raise (keys that do not compare)
         seq.status = SequenceStatus.WAITING
-        self._insert(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -213,19 +215,20 @@ class Scheduler:
         return (unprotected or candidates)[-1]
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        # All or nothing: the KV manager's calls (the ones that can raise) come before the sequence leaves
+        # `running`, so an exception never leaves it outside every queue, holding blocks nobody frees.
+        moves = self.kv.swap_out(seq.seq_id) if self.config.preemption_mode == "swap" else None
+        if moves is None:  # recompute (or swap with a full CPU pool): drop the KV; re-admission recomputes it
+            self.kv.free(seq.seq_id)
         self.running.remove(seq)
         self.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
-        if self.config.preemption_mode == "swap":
-            moves = self.kv.swap_out(seq.seq_id)
-            if moves is not None:
-                out.swap_out.extend(moves)
-                seq.status = SequenceStatus.SWAPPED
-                self._insert(self.swapped, seq)
-                return
-        # Recompute (or swap with a full CPU pool): drop the KV; re-admission recomputes it.
-        self.kv.free(seq.seq_id)
+        if moves is not None:
+            out.swap_out.extend(moves)
+            seq.status = SequenceStatus.SWAPPED
+            self._insert(self.swapped, seq)
+            return
         seq.num_computed_tokens = 0
         seq.num_reserved_tokens = 0
         self.add(seq)
