@@ -491,15 +491,36 @@ def _tma_ready(t: torch.Tensor) -> bool:
             and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1]))
 
 
-def _in_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t` with the strides of `like` (q, o, do and dq share one set of strides, k, v, dk and dv another).
-    Views such as SDPA's (B, H, N, D) storage seen as (B, N, H, D) pass as they are; anything else is copied
-    here, explicitly (e.g. a slice of a packed qkv tensor, or a dO with other strides than q)."""
-    if _tma_ready(t) and t.stride() == like.stride():
+def _dense(t: torch.Tensor) -> bool:
+    """True when t fills its memory span exactly (a permutation of a contiguous tensor), so that a tensor
+    allocated with its strides holds no gaps and no element twice."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """`t` as it is when the kernels can read it and new tensors can be allocated in its strides (SDPA's
+    (B, H, N, D) storage seen as (B, N, H, D) is such a permutation); else a contiguous copy, explicitly. A view
+    into a packed qkv / kv tensor is not dense: gradients allocated in its strides would run past their end."""
+    if _tma_ready(t) and _dense(t):
         return t
-    if like is t:
-        return t.clone(memory_format=torch.contiguous_format)
-    return torch.empty_like(like).copy_(t)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _empty_in(layout: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype or layout.dtype, device=layout.device)
+
+
+def _in_layout(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """`t` in the strides of `layout` (q, o, do and dq share one set of strides, k, v, dk and dv another): as it
+    is when it has them, else copied (e.g. a dO with other strides than q, or an expanded one)."""
+    if t.stride() == layout.stride() and _tma_ready(t):
+        return t
+    return _empty_in(layout).copy_(t)
 
 
 def fold_causal(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
@@ -545,7 +566,7 @@ def attention_bwd(
     head_dim = q.shape[-1]
     config = config or default_config(head_dim, q.dtype)
     atomic_dq = config.atomic_dq and not deterministic
-    q, k = _in_layout(q, q), _in_layout(k, k)
+    q, k = _kernel_layout(q), _kernel_layout(k)
     o, do, v = _in_layout(o, q), _in_layout(do, q), _in_layout(v, k)
     lse = lse.contiguous()
     varlen = cu_seqlens_q is not None
@@ -599,8 +620,8 @@ def attention_bwd(
                 dmask_buffer = torch.zeros(full_shape, dtype=torch.float32, device=q.device)
                 strides_dm = dmask_buffer.stride()
 
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dq_accum = torch.zeros_like(q, dtype=torch.float32) if atomic_dq else dq
+    dq, dk, dv = _empty_in(q), _empty_in(k), _empty_in(k)
+    dq_accum = _empty_in(q, torch.float32).zero_() if atomic_dq else dq
     if k.shape[-3] == 0:  # no keys at all: nothing is visible, every gradient is zero
         dq.zero_()
     elif batch * num_kv_heads > 0:
