@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+# Tests check index-tensor contents on CUDA too (ioattn.ops.checks): a wrong table fails loudly, never reads OOB.
+os.environ.setdefault("IOATTN_VALIDATE", "1")
+
 import ioattn.kernels  # noqa: F401  (selects the Triton interpreter on CPU-only machines before any kernel loads)
 
 HAS_CUDA = torch.cuda.is_available()

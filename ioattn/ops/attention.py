@@ -20,6 +20,8 @@ and no mask gradient it costs nothing. The torch path is always deterministic. `
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -39,6 +41,11 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
     if plan.backend == "torch":
         torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
+    if plan.upcast:
+        out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+        _forward(_upcast(inputs), dataclasses.replace(plan, upcast=False), out32, lse)
+        out.copy_(out32)
+        return
     q, k, v = inputs.q, inputs.k, inputs.v
     copied = {name for name, _ in plan.copies}
     q, k, v = (_contiguous_copy(t) if name in copied else t for name, t in (("q", q), ("k", k), ("v", v)))
@@ -49,6 +56,11 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
     launch_prefill_fwd(q, k, v, out, lse, plan.problem, plan.config, cu_seqlens_q=inputs.cu_seqlens_q,
                        cu_seqlens_k=inputs.cu_seqlens_k, max_seqlen_q=inputs.max_seqlen_q,
                        attn_mask=inputs.attn_mask)
+
+
+def _upcast(inputs: AttentionInputs) -> AttentionInputs:
+    """The same call on float32 copies of q, k, v (an additive bf16 mask is read in float32 by the kernel)."""
+    return dataclasses.replace(inputs, q=inputs.q.float(), k=inputs.k.float(), v=inputs.v.float())
 
 
 def _mask_for_backward(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -97,6 +109,11 @@ class AttentionFunction(torch.autograd.Function):
         )
         if plan.backend == "torch":
             dq, dk, dv, dmask = attention_bwd_torch(grad_out, q, k, v, out, lse, **options)
+        elif plan.upcast:
+            dq, dk, dv, dmask = attention_bwd(grad_out.float(), q.float(), k.float(), v.float(), out.float(), lse,
+                                              deterministic=plan.deterministic, config=plan.bwd_config,
+                                              **dict(options, attn_mask=_mask_for_backward(attn_mask, torch.float32)))
+            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         else:
             dq, dk, dv, dmask = attention_bwd(grad_out, q, k, v, out, lse, deterministic=plan.deterministic,
                                               config=plan.bwd_config, **options)
@@ -136,18 +153,20 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            window_size=(-1, -1), softmax_scale=None, return_lse=False, deterministic=None,
-                           backend="auto"):
+                           backend="auto", validate=None):
     """Variable-length attention on packed sequences, flash-attn's signature.
 
     q (total_q, Hq, D), k/v (total_k, Hkv, D); cu_seqlens_q/k int32 (batch + 1,) prefix sums of the
-    sequence lengths (zero-length sequences allowed); max_seqlen_q/k at least the longest sequence (on CUDA
-    it is trusted, as in flash-attn). Causal/window aligned bottom-right per sequence. Returns out
+    sequence lengths (zero-length sequences allowed), cu_seqlens_q ending at total_q and cu_seqlens_k at most at
+    total_k; max_seqlen_q/k at least the longest sequence. Their values are checked when `validate` is True, or
+    None on CPU tensors or with IOATTN_VALIDATE=1 (on CUDA that costs a host sync); otherwise they are trusted,
+    as in flash-attn (see `ioattn.ops.checks`). Causal/window aligned bottom-right per sequence. Returns out
     (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse=True (not differentiable).
     Differentiable in q, k, v; `deterministic` and `backend` as in flash_attn_func.
     """
     checks.check_backend(backend)
     inputs = checks.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                    window_size, softmax_scale)
+                                    window_size, softmax_scale, validate)
     out, lse = _apply(q, k, v, inputs, backend, False, deterministic)
     return (out, lse) if return_lse else out
 

@@ -19,6 +19,7 @@ from ioattn.kernels import interpreted
 from ioattn.kernels.prefill_bwd import BwdConfig, default_config, deterministic_default
 from ioattn.kernels.prefill_fwd import FwdConfig, FwdProblem, head_dim_padded
 from ioattn.ops import checks, torch_backend, torch_backward
+from ioattn.ops.capability import MAX_GRID_Y, device_capability, interpreter_upcast
 from ioattn.ops.checks import AttentionInputs
 
 logger = logging.getLogger("ioattn")
@@ -78,6 +79,8 @@ class Plan:
     bwd_kernel: str = ""
     bwd_config: BwdConfig | None = None  # Triton backward tiles (None for the torch backend)
     deterministic: bool = False  # the backward avoids atomics and is bitwise reproducible
+    # Triton's CPU interpreter computes bf16 tl.dot wrongly (errors ~1e8): the kernels run on float32 copies.
+    upcast: bool = False
 
     def __str__(self) -> str:
         if self.config is not None:
@@ -111,13 +114,11 @@ class Plan:
                 "reduced with atomics)")
 
     def _copies_text(self) -> str:
+        if self.upcast:
+            return "bfloat16 copied to float32 (Triton's interpreter computes bf16 dots wrongly), results cast back"
         if not self.copies:
             return "used in place through their strides (no copy)"
         return "; ".join(f"{name} copied to contiguous ({why})" for name, why in self.copies)
-
-
-def device_capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
 
 def tuned_config(head_dim: int, dtype: torch.dtype, causal: bool, capability,
@@ -253,6 +254,10 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
                     deterministic=True)
     if q.device.type != "cuda" and not interpreted():
         raise ValueError(f"backend='triton' needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import")
+    batch = inputs.cu_seqlens_q.numel() - 1 if inputs.varlen else q.shape[0]
+    if batch * q.shape[-2] > MAX_GRID_Y:
+        raise ValueError(f"batch x query heads ({batch} x {q.shape[-2]}) exceeds {MAX_GRID_Y}, the second grid "
+                         "dimension of the Triton kernels: split the batch into several calls")
     capability = device_capability(q.device)
     causal = inputs.window_right == 0 and inputs.window_left < 0
     if config is None:
@@ -272,7 +277,8 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
     else:
         bwd_source = "backward: explicit config from the caller"
     return Plan("triton", TRITON_KERNEL, config, problem, copies, f"{why}; {source}; {bwd_source}",
-                bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
+                bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic,
+                upcast=interpreter_upcast(q.dtype))
 
 
 def describe_inputs(inputs: AttentionInputs) -> str:
@@ -336,7 +342,7 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
         inputs = checks.validate_varlen(
             q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
             kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None), kwargs.pop("causal", False),
-            kwargs.pop("window_size", (-1, -1)), kwargs.pop("softmax_scale", None))
+            kwargs.pop("window_size", (-1, -1)), kwargs.pop("softmax_scale", None), kwargs.pop("validate", None))
     elif api == "sdpa":
         inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
                                       kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))

@@ -22,11 +22,14 @@ from ioattn.kernels.combine import combine_splits_kernel, merge_states_kernel
 from ioattn.kernels.paged_attention import paged_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops.checks import (
-    SUPPORTED_DTYPES, check_cu_seqlens, check_head_dim, check_heads, check_max_seqlen, normalized_window,
-    softmax_scale_or_default,
+    SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents, is_int,
+    normalized_window, softmax_scale_or_default, unbounded_past,
 )
-
-MAX_BLOCK_SIZE = 256
+from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.paged_checks import (
+    MAX_BLOCK_SIZE, check_block_mapping, check_block_table, check_cache, check_cache_pair, check_int_vector,
+    check_slot_contents, check_table_contents, require,
+)
 
 # Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
 # When that leaves SM slots idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
@@ -141,6 +144,8 @@ def choose_gather(num_tokens: int, batch: int, group: int, window_left: int, sin
     """Whether a multi-token call gathers its context and runs the dense forward (see GATHER_MIN_GROUP_ROWS)."""
     if window_left >= 0 or sink_tokens > 0:
         return False, "a window or sinks (evicted blocks must stay unread): paged kernel"
+    if batch > MAX_GRID_Y:
+        return False, f"{batch} sequences exceed the gather kernel's grid ({MAX_GRID_Y}): paged kernel"
     rows = num_tokens * group / max(batch, 1)
     if rows >= GATHER_MIN_GROUP_ROWS:
         return True, (f"{num_tokens / max(batch, 1):.0f} query tokens per sequence x group {group} >= "
@@ -190,28 +195,6 @@ class PagedPlan:
         return launch + splits + (f" ({self.reason})" if self.reason else "")
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
-def _check_cache(name: str, cache: torch.Tensor) -> None:
-    _require(cache.dim() == 4, f"{name} must be (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(cache.shape)}")
-    _require(cache.dtype in SUPPORTED_DTYPES, f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {cache.dtype}")
-    block_size = cache.shape[1]
-    _require(block_size & (block_size - 1) == 0 and 1 <= block_size <= MAX_BLOCK_SIZE,
-             f"{name} block_size must be a power of two in 1..{MAX_BLOCK_SIZE}, got {block_size}")
-    check_head_dim(cache.shape[3], name)
-    _require(cache.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride(-1) == 1)")
-
-
-def _check_int32_vector(name: str, t: torch.Tensor, length: int, device: torch.device) -> None:
-    _require(t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}")
-    _require(t.dim() == 1 and t.shape[0] == length, f"{name} must have shape ({length},), got {tuple(t.shape)}")
-    _require(t.is_contiguous(), f"{name} must be contiguous")
-    _require(t.device == device, f"{name} must be on {device}, got {t.device}")
-
-
 def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
                          config: PagedConfig | None = None, workspace: PagedWorkspace | None = None,
                          window_left: int = -1, sink_tokens: int = 0, gather: bool | None = None) -> PagedPlan:
@@ -228,8 +211,10 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         else:
             use, why = bool(gather), f"gather={bool(gather)} requested"
         if use:
-            _require(window_left < 0 and sink_tokens == 0,
-                     "gather=True needs window_size[0] == -1 and sink_tokens == 0 (evicted blocks must stay unread)")
+            require(window_left < 0 and sink_tokens == 0,
+                    "gather=True needs window_size[0] == -1 and sink_tokens == 0 (evicted blocks must stay unread)")
+            require(block_table.shape[0] <= MAX_GRID_Y,
+                    f"gather=True takes at most {MAX_GRID_Y} sequences (the gather kernel's grid), got {block_table.shape[0]}")
             return PagedPlan(config or default_config(decode=False, head_dim=head_dim, dtype=q.dtype), 1, 0, 0, 0,
                              True, why)
     else:
@@ -285,6 +270,7 @@ def paged_attention(
     workspace: PagedWorkspace | None = None,
     config: PagedConfig | None = None,
     gather: bool | None = None,
+    validate: bool | None = None,
 ):
     """Attention of new queries against a paged KV cache (split-KV / Flash-Decoding).
 
@@ -305,49 +291,67 @@ def paged_attention(
     holds batch x block_table.shape[1] x block_size rows of K and V.
     Returns out shaped like q, and with return_lse the natural-log LSE in float32: (B, Hq) for decode,
     (Hq, total_q) for packed queries (flash-attn varlen). Rows that see no key (e.g. seq_len 0) give 0 and -inf.
+    validate: check the values of block_table, seq_lens and cu_seqlens_q (every block id read in
+    [0, num_blocks), -1 only where the window and sinks hide it, 0 <= q_len <= seq_len <= the table's capacity);
+    None does so for CPU tensors and, with IOATTN_VALIDATE=1, for CUDA ones (a host sync). Unchecked values are
+    trusted: see `ioattn.ops.checks` for what each mode promises.
     """
     decode = cu_seqlens_q is None
-    _require(q.dim() == 3, f"q must be (batch, heads, head_dim) or (total_q, heads, head_dim), got {tuple(q.shape)}")
-    _require(q.dtype in SUPPORTED_DTYPES, f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
-    _require(q.stride(-1) == 1, "q must be contiguous in head_dim (stride(-1) == 1)")
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
-    _require(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    _require(k_cache.dtype == v_cache.dtype == q.dtype,
-             f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_tensor("q", q)
+    require(q.dim() == 3, f"q must be (batch, heads, head_dim) or (total_q, heads, head_dim), got {tuple(q.shape)}")
+    require(q.dtype in SUPPORTED_DTYPES, f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    require(q.stride(-1) == 1, "q must be contiguous in head_dim (stride(-1) == 1)")
+    check_cache_pair(k_cache, v_cache)
+    require(k_cache.dtype == q.dtype, f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    _require(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    require(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
     check_heads(num_heads, num_kv_heads)
-    _require(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1,
-             f"block_table must be int32 (batch, max_blocks_per_seq) with unit column stride, got "
-             f"{block_table.dtype} {tuple(block_table.shape)}")
+    require(q.device == k_cache.device, f"q is on {q.device} but k_cache and v_cache are on {k_cache.device}")
+    check_block_table(block_table, q.device)
     batch = block_table.shape[0]
-    _require(q.device == k_cache.device == v_cache.device == block_table.device,
-             "q, k_cache, v_cache and block_table must be on one device")
-    _check_int32_vector("seq_lens", seq_lens, batch, q.device)
+    check_int_vector("seq_lens", seq_lens, batch, q.device)
+    contents = checks_contents(validate, q.device)
     if decode:
-        _require(num_tokens == batch, f"decode q has {num_tokens} rows but block_table has {batch} sequences")
+        require(num_tokens == batch, f"decode q has {num_tokens} rows but block_table has {batch} sequences")
         max_seqlen_q = 1
     else:
-        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, batch, num_tokens, q.device)
-        _require(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, batch, num_tokens, q.device, contents=contents)
         if max_seqlen_q is None:  # a host sync: pass max_seqlen_q to avoid it (and to capture CUDA graphs)
             max_seqlen_q = int(cu_seqlens_q.diff().max().item()) if batch else 0
-        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
-    left, right = normalized_window(window_size, causal)
-    _require(isinstance(sink_tokens, int) and sink_tokens >= 0, f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
-    _require(isinstance(num_splits, int) and num_splits >= 0,
-             f"num_splits must be an int >= 0 (0 = heuristic, 1 = no split), got {num_splits!r}")
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, contents=contents)
+    # Positions lie below the table's capacity: a wider bound is no bound (and cannot overflow int32 positions).
+    left, right = unbounded_past(normalized_window(window_size, causal), 2 * block_table.shape[1] * k_cache.shape[1])
+    require(is_int(sink_tokens) and 0 <= sink_tokens < 2**31, f"sink_tokens must be an int in [0, 2**31), got "
+            f"{sink_tokens!r}")
+    require(is_int(num_splits) and 0 <= num_splits <= MAX_SPLITS,
+            f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic, 1 = no split), got {num_splits!r}")
     scale = softmax_scale_or_default(softmax_scale, head_dim)
-
-    _require(gather in (None, True, False), f"gather must be None, True or False, got {gather!r}")
+    require(gather in (None, True, False), f"gather must be None, True or False, got {gather!r}")
+    require(config is None or isinstance(config, PagedConfig), f"config must be a PagedConfig or None, got "
+            f"{type(config).__name__}")
+    require(workspace is None or isinstance(workspace, PagedWorkspace), "workspace must be a PagedWorkspace (see "
+            f"paged_workspace) or None, got {type(workspace).__name__}")
+    if out is not None:
+        check_tensor("out", out)
+        require(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.stride(-1) == 1,
+                f"out must match q's shape, dtype and device with stride(-1) == 1, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}")
+    if contents:
+        check_table_contents(block_table, seq_lens, None if decode else cu_seqlens_q.diff(), k_cache.shape[0],
+                             k_cache.shape[1], left, sink_tokens)
+    if interpreter_upcast(q.dtype):  # the interpreter's bf16 dots are wrong: compute on float32 copies
+        result = paged_attention(
+            q.float(), k_cache.float(), v_cache.float(), block_table, seq_lens, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q, causal=causal, window_size=window_size, sink_tokens=sink_tokens,
+            softmax_scale=scale, num_splits=num_splits, return_lse=return_lse, workspace=workspace, config=config,
+            gather=gather, validate=False)
+        result, lse = result if return_lse else (result, None)
+        out = result.to(q.dtype) if out is None else out.copy_(result)
+        return (out, lse) if return_lse else out
     plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
                                 num_splits=num_splits, config=config, workspace=workspace, window_left=left,
                                 sink_tokens=sink_tokens, gather=gather)
-    if out is not None:
-        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-                 f"out must match q's shape and dtype with stride(-1) == 1, got {out.dtype} {tuple(out.shape)}")
     if plan.gather and num_tokens and batch:
         return _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
                                    (left, right), scale, out, return_lse)
@@ -366,7 +370,7 @@ def paged_attention(
         if workspace is None:
             workspace = paged_workspace(num_tokens, num_heads, head_dim, max_splits=splits, device=q.device)
         ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
-        _require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens and ws_out.shape[2:] == (num_heads, head_dim)
+        require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens and ws_out.shape[2:] == (num_heads, head_dim)
                  and ws_lse.shape[:3] == ws_out.shape[:3] and ws_out.dtype == ws_lse.dtype == torch.float32,
                  f"workspace {tuple(ws_out.shape)} cannot hold {splits} splits x {num_tokens} tokens x "
                  f"{num_heads} heads x {head_dim}")
@@ -438,9 +442,10 @@ def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q
     torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
     keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity)
     # causal=False: the window (left, right) already carries the causal bound (right = 0), bottom-right aligned.
+    # validate=False: the call's own arguments were checked, and cu_seqlens_k is built here from them.
     result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                          width * k_cache.shape[1], causal=False, window_size=window,
-                                         softmax_scale=scale, return_lse=True, backend="triton")
+                                         softmax_scale=scale, return_lse=True, backend="triton", validate=False)
     if out is not None:
         out.copy_(result)
         result = out
@@ -454,15 +459,17 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
     (for paged_attention's packed LSE (heads, tokens) pass `lse.t()`). A side with LSE -inf is empty and ignored
     whatever its output holds; both empty gives output 0 and LSE -inf. Returns (out in o_a's dtype, lse float32).
     """
-    _require(o_a.dim() == 3 and o_a.shape == o_b.shape, f"o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} must "
+    for name, t in (("o_a", o_a), ("lse_a", lse_a), ("o_b", o_b), ("lse_b", lse_b)):
+        check_tensor(name, t)
+    require(o_a.dim() == 3 and o_a.shape == o_b.shape, f"o_a {tuple(o_a.shape)} and o_b {tuple(o_b.shape)} must "
              "be equal (tokens, heads, head_dim)")
-    _require(lse_a.shape == lse_b.shape == o_a.shape[:2],
+    require(lse_a.shape == lse_b.shape == o_a.shape[:2],
              f"lse_a {tuple(lse_a.shape)} and lse_b {tuple(lse_b.shape)} must be (tokens, heads) = {tuple(o_a.shape[:2])}")
-    _require(o_a.dtype in SUPPORTED_DTYPES and o_b.dtype in SUPPORTED_DTYPES,
+    require(o_a.dtype in SUPPORTED_DTYPES and o_b.dtype in SUPPORTED_DTYPES,
              f"o_a/o_b dtype must be one of {SUPPORTED_DTYPES}, got {o_a.dtype}, {o_b.dtype}")
-    _require(lse_a.dtype == lse_b.dtype == torch.float32, f"lse_a/lse_b must be float32, got {lse_a.dtype}, {lse_b.dtype}")
-    _require(o_a.stride(-1) == 1 and o_b.stride(-1) == 1, "o_a and o_b must be contiguous in head_dim")
-    _require(len({t.device for t in (o_a, lse_a, o_b, lse_b)}) == 1, "all inputs must be on one device")
+    require(lse_a.dtype == lse_b.dtype == torch.float32, f"lse_a/lse_b must be float32, got {lse_a.dtype}, {lse_b.dtype}")
+    require(o_a.stride(-1) == 1 and o_b.stride(-1) == 1, "o_a and o_b must be contiguous in head_dim")
+    require(len({t.device for t in (o_a, lse_a, o_b, lse_b)}) == 1, "all inputs must be on one device")
     tokens, heads, head_dim = o_a.shape
     out = torch.empty_like(o_a, memory_format=torch.contiguous_format)
     lse = torch.empty(tokens, heads, dtype=torch.float32, device=o_a.device)
@@ -478,25 +485,27 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+                      slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
     """Write new tokens' key/value (tokens, num_kv_heads, D) into their cache slots; slot -1 is skipped (padding).
 
     Values are cast to the cache's dtype. slot_mapping: (tokens,) int32 or int64, slot = block_id * block_size +
-    offset. Slots must be distinct (two tokens writing one slot is a race).
+    offset, each in [-1, num_blocks * block_size) and distinct (two tokens writing one slot is a race): checked
+    when `validate` is True, or None for CPU tensors or with IOATTN_VALIDATE=1, else trusted.
     """
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
-    _require(k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    expected = (key.shape[0], k_cache.shape[2], k_cache.shape[3])
-    _require(key.shape == value.shape == expected,
-             f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (tokens, num_kv_heads, head_dim) = {expected}")
-    _require(key.dtype in SUPPORTED_DTYPES and value.dtype in SUPPORTED_DTYPES,
-             f"key/value dtype must be one of {SUPPORTED_DTYPES}, got {key.dtype}, {value.dtype}")
-    _require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
-    _require(slot_mapping.dtype in (torch.int32, torch.int64) and slot_mapping.shape == (key.shape[0],)
-             and slot_mapping.is_contiguous(), f"slot_mapping must be contiguous int32/int64 ({key.shape[0]},), "
-             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
-    _require(len({t.device for t in (key, value, k_cache, v_cache, slot_mapping)}) == 1, "all inputs must be on one device")
+    check_cache_pair(k_cache, v_cache)
+    check_tensor("key", key)
+    check_tensor("value", value)
+    expected = (key.shape[0], k_cache.shape[2], k_cache.shape[3]) if key.dim() == 3 else "(tokens, heads, head_dim)"
+    require(key.shape == value.shape == expected,
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (tokens, num_kv_heads, head_dim) = {expected}")
+    require(key.dtype in SUPPORTED_DTYPES and value.dtype in SUPPORTED_DTYPES,
+            f"key/value dtype must be one of {SUPPORTED_DTYPES}, got {key.dtype}, {value.dtype}")
+    require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
+    require(key.device == value.device == k_cache.device, f"key ({key.device}), value ({value.device}) and the "
+            f"caches ({k_cache.device}) must be on one device")
+    check_int_vector("slot_mapping", slot_mapping, key.shape[0], key.device, (torch.int32, torch.int64))
+    if checks_contents(validate, key.device):
+        check_slot_contents(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
@@ -509,23 +518,27 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     )
 
 
-def _check_mapping(block_mapping: torch.Tensor, device: torch.device) -> None:
-    _require(block_mapping.dim() == 2 and block_mapping.shape[1] == 2 and block_mapping.dtype == torch.int64,
-             f"block_mapping must be int64 (pairs, 2) of [src, dst], got {block_mapping.dtype} {tuple(block_mapping.shape)}")
-    _require(block_mapping.device == device, f"block_mapping must be on {device}, got {block_mapping.device}")
-
-
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor, *,
+                validate: bool | None = None) -> None:
     """Copy-on-write: for every layer's caches, block dst <- block src for each [src, dst] row of block_mapping.
 
-    block_mapping: int64 (pairs, 2) on the caches' device. All sources are read before any destination is
-    written; destinations must be distinct. Two gathers per layer (torch index ops): copies are rare and small,
-    a dedicated kernel would not pay.
+    block_mapping: int64 (pairs, 2) on the caches' device, blocks in [0, num_blocks), destinations distinct
+    (checked as `validate` says, see reshape_and_cache). All sources are read before any destination is
+    written. Two gathers per layer (torch index ops): copies are rare and small, a dedicated kernel would not pay.
     """
-    _require(len(k_caches) == len(v_caches), f"{len(k_caches)} key caches but {len(v_caches)} value caches")
-    for cache in (*k_caches, *v_caches):
-        _check_mapping(block_mapping, cache.device)
-        src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    require(isinstance(k_caches, (list, tuple)) and isinstance(v_caches, (list, tuple)) and len(k_caches) == len(v_caches),
+            "k_caches and v_caches must be lists of one cache per layer, of equal length")
+    caches = (*k_caches, *v_caches)
+    for i, cache in enumerate(caches):
+        check_tensor(f"cache {i}", cache)
+        require(cache.dim() >= 1 and cache.shape[0] == caches[0].shape[0] and cache.device == caches[0].device,
+                "every cache of copy_blocks must hold the same number of blocks on one device")
+    if not caches:
+        return
+    check_block_mapping(block_mapping, caches[0].device, caches[0].shape[0], caches[0].shape[0],
+                        checks_contents(validate, caches[0].device))
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
@@ -533,11 +546,14 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
     """Copy blocks between two pools (GPU <-> pinned CPU, or GPU <-> GPU): dst[d] <- src[s] per row [s, d].
 
     One cache tensor per call (call it for each layer's K and V). block_mapping: int64 (pairs, 2) on the CPU
-    (it is read on the host; no device sync). Copies are asynchronous on the current stream when the CPU side
-    is pinned: synchronise that stream before reading a CPU destination or reusing a CPU source.
+    (it is read on the host, no device sync, so its blocks are always checked against both pools). Copies are
+    asynchronous on the current stream when the CPU side is pinned: synchronise that stream before reading a CPU
+    destination or reusing a CPU source.
     """
-    _require(src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
-             f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must share block shape and dtype")
-    _check_mapping(block_mapping, torch.device("cpu"))
+    check_tensor("src", src)
+    check_tensor("dst", dst)
+    require(src.dim() >= 1 and src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
+            f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must share block shape and dtype")
+    check_block_mapping(block_mapping, torch.device("cpu"), src.shape[0], dst.shape[0], contents=True)
     for s, d in block_mapping.tolist():
         dst[d].copy_(src[s], non_blocking=True)

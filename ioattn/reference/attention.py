@@ -144,6 +144,9 @@ def attention_ref(
         )
         outs.append(o_b.transpose(0, 1))
         lses.append(l_b)
+    if not batch:
+        return (torch.zeros(0, n_q, q.shape[2], v.shape[-1], dtype=torch.float64, device=q.device),
+                torch.zeros(0, q.shape[2], n_q, dtype=torch.float64, device=q.device))
     return torch.stack(outs), torch.stack(lses)
 
 

@@ -1,0 +1,19 @@
+"""What the device (or Triton's CPU interpreter) can do, as the ops' dispatch and launchers ask it."""
+
+from __future__ import annotations
+
+import torch
+
+from ioattn.kernels import interpreted
+
+MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second dimension (the kernels put (batch, head) pairs there)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """Whether Triton kernels must run on float32 copies: bf16 under Triton 3.6's interpreter, whose bf16
+    tl.dot returns garbage (fp16 and fp32 dots, and bf16 casts, are right)."""
+    return dtype == torch.bfloat16 and interpreted()

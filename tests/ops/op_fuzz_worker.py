@@ -1,0 +1,306 @@
+"""Runs fuzz cases of the public ops in a process of its own, so that a crash fails the case that caused it.
+
+Protocol: one JSON case per stdin line; one JSON result per stdout line, {"outcome": "ok" | "refused" | "wrong",
+"detail": ...}. "refused" is a ValueError/TypeError (its message is checked by the parent), "wrong" a result that
+differs from the float64 reference, holds NaN, or another exception. A case that kills the process gets no line.
+Imported without the test suite's conftest on purpose: ioattn must set itself up whatever was imported first.
+
+A case names its op and its arguments as plain values (`build_*` turns them into tensors, seeded); each also
+says how to corrupt one argument, so that valid and hostile calls come from one description.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import torch
+
+import ioattn
+from attention_grad_ref import attention_grads_ref
+from ioattn.reference import TOLERANCE, attention_ref, rel_error
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
+          "int32": torch.int32, "bool": torch.bool}
+
+
+def _random(shape, dtype, gen, device):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+    if dtype == torch.bool:
+        return (torch.rand(shape, generator=gen) > 0.5).to(device)
+    return torch.randint(-3, 3, shape, generator=gen).to(dtype).to(device)
+
+
+def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as `t` (B, N, H, D) held in another memory layout."""
+    if layout == "transposed":  # (B, H, N, D) storage
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "strided":  # every other row of a larger buffer
+        big = torch.zeros(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype, device=t.device)
+        big[:, ::2] = t
+        return big[:, ::2]
+    if layout == "last_dim_strided":  # stride(-1) == 2
+        big = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        big[..., ::2] = t
+        return big[..., ::2]
+    if layout == "expanded" and t.shape[0] > 1:  # batch entries alias one buffer
+        return t[:1].expand_as(t)
+    return t
+
+
+def _packed(tensors):
+    """Views of one packed (B, N, len(tensors), H, D) buffer, as flash-attn's qkvpacked / kvpacked layouts."""
+    buffer = torch.stack(tensors, dim=2).contiguous()
+    return list(buffer.unbind(2))
+
+
+def _tolerance(dtype):
+    return TOLERANCE.get(dtype, 1e-5)
+
+
+def _compare(name, out, ref, dtype):
+    if out is None:
+        return None
+    err = rel_error(out, ref)
+    if not err <= _tolerance(dtype):  # NaN and inf fail
+        return f"{name} rel error {err:.3g} > {_tolerance(dtype):.0e}"
+    return None
+
+
+def _dense_views(case, q, k, v):
+    """q, k, v (B, N, H, D) in the case's memory layout, built by differentiable ops (gradients reach q, k, v)."""
+    layout = case["layout"]
+    if layout == "qkv_packed" and q.shape == k.shape:
+        return _packed([q, k, v])
+    if layout == "kv_packed":
+        return [q, *_packed([k, v])]
+    return [_in_layout(t, layout) for t in (q, k, v)]
+
+
+def run_dense(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    b, nq, nk, hq, hkv, d = (case[k] for k in ("B", "Nq", "Nk", "Hq", "Hkv", "D"))
+    base = [_random((b, nq, hq, d), dtype, gen, device), _random((b, nk, hkv, d), dtype, gen, device),
+            _random((b, nk, hkv, d), dtype, gen, device)]
+    grad = case["grad"] and dtype.is_floating_point
+    leaves = [t.clone().requires_grad_() for t in base] if grad else base
+    rules = dict(causal=case["causal"], window_size=tuple(case["window"]), softmax_scale=case["scale"])
+    out = ioattn.flash_attn_func(*_dense_views(case, *leaves), **rules, backend=case["backend"],
+                                 deterministic=case["deterministic"])
+    refs = [t.detach().double().requires_grad_(grad) for t in base]
+    ref_out, _ = attention_ref(*_dense_views(case, *refs), **rules)
+    problem = _compare("out", out, ref_out, dtype)
+    if problem or not grad or out.numel() == 0:
+        return problem
+    do = _in_layout(_random(out.shape, dtype, gen, device), case["do_layout"])
+    out.backward(do)
+    # The reference gradients of the views (exact for the saved, rounded O the backward is given), carried back
+    # to q, k, v through the same view construction.
+    views = _dense_views(case, *refs)
+    scale = case["scale"] if case["scale"] is not None else d ** -0.5
+    view_grads = attention_grads_ref(*views, do, scale=scale, causal=case["causal"],
+                                     window_size=tuple(case["window"]), saved_o=out.detach())[:3]
+    ref_grads = torch.autograd.grad(views, refs, view_grads, allow_unused=True)
+    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, ref_grads):
+        problem = _compare(name, leaf.grad, ref, dtype)
+        if problem:
+            return problem
+    return None
+
+
+def _cu(lengths, device, corruption, total):
+    values = [0]
+    for n in lengths:
+        values.append(values[-1] + n)
+    if corruption == "decreasing" and len(values) > 2:
+        values[1], values[2] = values[2], values[1] - 1
+    elif corruption == "short_end":
+        values[-1] -= 1
+    elif corruption == "long_end":
+        values[-1] += 1
+    elif corruption == "nonzero_start":
+        values[0] = 1
+    elif corruption == "huge":
+        values[-1] = 2**31 - 1
+    cu = torch.tensor(values, dtype=torch.int32)
+    if corruption == "strided":  # the issue's case: the checks must not read through the stride
+        cu = torch.stack([cu, torch.full_like(cu, 99)], dim=1).reshape(-1)[::2]
+    elif corruption == "int64":
+        cu = cu.long()
+    return cu.to(device)
+
+
+def run_varlen(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    lq, lk = case["lens_q"], case["lens_k"]
+    hq, hkv, d = case["Hq"], case["Hkv"], case["D"]
+    q = _random((sum(lq), hq, d), dtype, gen, device)
+    k = _random((sum(lk), hkv, d), dtype, gen, device)
+    v = _random((sum(lk), hkv, d), dtype, gen, device)
+    cu_q = _cu(lq, device, case["cu_q"], q.shape[0])
+    cu_k = _cu(lk, device, case["cu_k"], k.shape[0])
+    max_q = {"exact": max(lq, default=0), "small": max(max(lq, default=0) - 1, 0), "huge": 2**40,
+             "negative": -1, "float": 3.0}[case["max_q"]]
+    kwargs = dict(causal=case["causal"], window_size=tuple(case["window"]), softmax_scale=case["scale"],
+                  backend=case["backend"])
+    out = ioattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max(lk, default=0), **kwargs)
+    ref, _ = attention_ref(q, k, v, causal=case["causal"], window_size=tuple(case["window"]),
+                           softmax_scale=case["scale"], cu_seqlens_q=cu_q.cpu(), cu_seqlens_k=cu_k.cpu())
+    return _compare("out", out, ref, dtype)
+
+
+def run_sdpa(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    b, nq, nk, hq, hkv, d = (case[k] for k in ("B", "Nq", "Nk", "Hq", "Hkv", "D"))
+    q = _random((b, hq, nq, d), dtype, gen, device)
+    k = _random((b, hkv, nk, d), dtype, gen, device)
+    v = _random((b, hkv, nk, d), dtype, gen, device)
+    mask = None
+    if case["mask"] is not None:
+        mask = _random(tuple(case["mask_shape"]), DTYPES[case["mask"]], gen, device)
+    out = ioattn.sdpa(q, k, v, attn_mask=mask, is_causal=case["causal"], scale=case["scale"],
+                      enable_gqa=case["gqa"], backend=case["backend"])
+    ref, _ = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=case["causal"],
+                           causal_align="top_left", attn_mask=mask, softmax_scale=case["scale"])
+    return _compare("out", out, ref.transpose(1, 2), dtype)
+
+
+def _table(case, gen, num_blocks, width, device):
+    table = torch.randperm(num_blocks, generator=gen)[: case["batch"] * width]
+    table = table.reshape(case["batch"], width).to(torch.int32)
+    corruption = case["table"]
+    if corruption == "oob":
+        table[0, 0] = num_blocks + 5
+    elif corruption == "num_blocks":
+        table[0, 0] = num_blocks
+    elif corruption == "negative":
+        table[0, 0] = -7
+    elif corruption == "evicted":
+        table[0, 0] = -1
+    elif corruption == "transposed":
+        return table.t().contiguous().t().to(device)
+    return table.to(device)
+
+
+def run_paged(case, device):
+    """paged_attention (decode, or multi-token with cu_seqlens_q) against the float64 reference over each
+    sequence's gathered cache."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    page, hkv, d = case["page"], case["Hkv"], case["D"]
+    hq = hkv * case["group"]
+    lens = case["seq_lens"]
+    width = max(1, max((n + page - 1) // page for n in lens))
+    num_blocks = case["batch"] * width
+    k_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
+    v_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
+    table = _table(case, gen, num_blocks, width, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if case["lens"] == "past_capacity":
+        seq_lens[0] = width * page + 1
+    elif case["lens"] == "negative":
+        seq_lens[0] = -3
+    seq_lens = seq_lens.to(device)
+    decode = case["q_lens"] is None
+    q_lens = [1] * len(lens) if decode else case["q_lens"]
+    q = _random((sum(q_lens), hq, d), dtype, gen, device)
+    cu = None if decode else _cu(q_lens, device, case["cu_q"], q.shape[0])
+    window = tuple(case["window"])
+    out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, causal=True,
+                                 window_size=window, sink_tokens=case["sinks"], num_splits=case["splits"],
+                                 gather=case["gather"])
+    outs, start = [], 0
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        blocks = table[b].long().cpu()
+        rows = torch.arange(n)
+        key_rows = blocks[rows // page] * page + rows % page
+        keys = k_cache.reshape(-1, hkv, d).cpu()[key_rows]
+        values = v_cache.reshape(-1, hkv, d).cpu()[key_rows]
+        o, _ = attention_ref(q[start : start + m].cpu()[None], keys[None], values[None], causal=True,
+                             window_size=window, sink_tokens=case["sinks"])
+        outs.append(o[0])
+        start += m
+    return _compare("out", out, torch.cat(outs), dtype)
+
+
+def run_cache_write(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    num_blocks, page, hkv, d = 4, case["page"], case["Hkv"], case["D"]
+    k_cache = torch.zeros(num_blocks, page, hkv, d, dtype=torch.float32, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    tokens = case["tokens"]
+    slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
+    corruption = case["slots"]
+    if tokens and corruption == "oob":
+        slots[0] = num_blocks * page
+    elif tokens and corruption == "huge":
+        slots[0] = 2**40
+    elif tokens and corruption == "padding":
+        slots[0] = -1
+    elif tokens and corruption == "below_padding":
+        slots[0] = -2
+    elif tokens > 1 and corruption == "duplicate":
+        slots[1] = slots[0]
+    key = _random((tokens, hkv, d), dtype, gen, device)
+    value = _random((tokens, hkv, d), dtype, gen, device)
+    slot_mapping = slots.to(DTYPES.get(case["slot_dtype"], torch.int64)).to(device)
+    ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    expected = torch.zeros_like(k_cache).reshape(-1, hkv, d)
+    slots = slot_mapping.long().cpu()  # as passed (a cast to int32 may have wrapped it)
+    keep = slots >= 0
+    expected[slots[keep]] = key.cpu().float()[keep]
+    return _compare("k_cache", k_cache.reshape(-1, hkv, d), expected, torch.float32) if keep.any() else None
+
+
+def run_block_copy(case, device):
+    gen = torch.Generator().manual_seed(case["seed"])
+    caches = [torch.randn(6, 2, 1, 8, generator=gen).to(device) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    pairs = case["pairs"]
+    mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+    if case["op"] == "copy_blocks":
+        ioattn.copy_blocks(caches[:1], caches[1:], mapping.to(device))
+        for c in expected:
+            c[mapping[:, 1]] = c[mapping[:, 0]]
+        return _compare("caches", torch.stack(caches), torch.stack(expected), torch.float32)
+    dst = torch.zeros(3, 2, 1, 8, device=device)
+    ioattn.swap_blocks(caches[0], dst, mapping)
+    want = torch.zeros_like(dst)
+    want[mapping[:, 1]] = caches[0][mapping[:, 0]]
+    return _compare("dst", dst, want, torch.float32)
+
+
+RUNNERS = {"flash_attn_func": run_dense, "flash_attn_varlen_func": run_varlen, "sdpa": run_sdpa,
+           "paged_attention": run_paged, "reshape_and_cache": run_cache_write, "copy_blocks": run_block_copy,
+           "swap_blocks": run_block_copy}
+
+
+def run(case: dict) -> dict:
+    device = case.get("device", "cpu")
+    try:
+        problem = RUNNERS[case["op"]](case, device)
+        if device == "cuda":
+            torch.cuda.synchronize()  # an asynchronous fault belongs to this case
+    except (ValueError, TypeError) as error:
+        return {"outcome": "refused", "detail": f"{type(error).__name__}: {error}"}
+    except Exception as error:  # noqa: BLE001 - any other exception is a finding, reported with its trace
+        return {"outcome": "wrong", "detail": f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"}
+    return {"outcome": "wrong", "detail": problem} if problem else {"outcome": "ok", "detail": ""}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        result = run(json.loads(line))
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
