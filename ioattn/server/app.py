@@ -3,10 +3,12 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`: server-sent events in OpenAI's
 chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 
-Every request is checked in its handler before it reaches the engine (model name, prompt, lengths, sampling
-values), so bad input gets a 400 with an OpenAI error body naming the problem and never disturbs the engine;
-past `max_queued_requests` unfinished requests the server answers 429. A client that disconnects (streaming or
-not) or cancels has its request aborted, which frees its KV blocks before the engine's next step.
+Every request is checked in its handler before it reaches the engine (every string UTF-8-encodable, model name,
+prompt, lengths, sampling values, and whatever the engine's `check_params` says this model cannot serve, such as
+stop token ids outside its vocabulary), so bad input gets a 400 with an OpenAI error body whose `param` names the
+field as the client spelled it, and never disturbs the engine or other requests; past `max_queued_requests`
+unfinished requests the server answers 429. A client that disconnects (streaming or not) or cancels has its
+request aborted, which frees its KV blocks before the engine's next step.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
 from ioattn.engine.sequence import RequestOutput
+from ioattn.kv.manager import all_token_ids
 from ioattn.server import protocol as api
 from ioattn.server.chat_template import ChatTemplate, TemplateError
 from ioattn.server.engine_loop import (DEFAULT_MAX_QUEUED_REQUESTS, EngineFailure, EngineLoop, Overloaded,
@@ -48,19 +51,41 @@ class ApiError(Exception):
 
 
 def error_response(status: int, message: str, type: str, param: str | None = None, code: str | None = None):
-    body = api.ErrorResponse(error=api.ErrorInfo(message=message, type=type, param=param, code=code))
+    # Both may quote what the client sent, which may not be encodable (a lone surrogate in an unknown key).
+    param = None if param is None else api.printable(param)
+    body = api.ErrorResponse(error=api.ErrorInfo(message=api.printable(message), type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def _validation_message(error: dict) -> tuple[str, str | None]:
-    """FastAPI's first validation error -> (message, param) in words a client can act on."""
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-    if error.get("type") == "json_invalid":
+def _validation_message(errors: list[dict], body) -> tuple[str, str | None]:
+    """FastAPI's validation errors -> (message, param) in words a client can act on. A union field (`prompt`,
+    `content`) fails once per member: the error that reaches deepest into what the client sent explains best."""
+    error = max(errors, key=lambda e: len(_client_param(e.get("loc", ()), body, False) or ""))
+    kind = error.get("type")
+    if kind == "json_invalid":
         return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error.get('msg'))}", None
-    param = ".".join(loc) or None
-    if error.get("type") == "extra_forbidden":
+    if kind == api.UNENCODABLE:
+        return error["msg"], error["ctx"]["param"]
+    param = _client_param(error.get("loc", ()), body, kind == "missing")
+    if kind == "extra_forbidden":
         return f"{param}: unknown or unsupported parameter", param
     return (f"{param}: {error.get('msg')}" if param else f"the request body is invalid: {error.get('msg')}"), param
+
+
+def _client_param(loc, body, missing: bool) -> str | None:
+    """The dotted path of the field as the client sent it: the parts of pydantic's location that index into the
+    body (the others are union-member tags such as `str` or `list[int]`), plus a missing field's name."""
+    loc = tuple(loc)
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    parts, node = [], body
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node or (isinstance(node, list) and isinstance(part, int)
+                                                         and 0 <= part < len(node)):
+            node = node[part]
+        elif not (missing and isinstance(node, dict) and i == len(loc) - 1):
+            continue
+        parts.append(str(part))
+    return ".".join(parts) or None
 
 
 class Server:
@@ -97,10 +122,6 @@ class Server:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self._checked_ids(self.tokenizer.encode(prompt) if prompt else [], "prompt")
-        vocab = self.engine.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(f"prompt: token ids must be in [0, {vocab}), got {bad[:5]}", "prompt")
         return self._checked_ids(list(prompt), "prompt")
 
     def chat_prompt(self, body: api.ChatCompletionRequest) -> list[int]:
@@ -113,12 +134,18 @@ class Server:
             text = self.chat_template.render(messages, body.add_generation_prompt)
         except TemplateError as error:
             raise ApiError(str(error), "messages") from error
+        except Exception as error:  # a checkpoint's template is code run on the client's messages: their fault
+            raise ApiError(f"the chat template failed on these messages: {error!r}", "messages") from error
         ids = self.tokenizer.encode(text, add_special_tokens=self.chat_template.add_special_tokens)
         return self._checked_ids(ids, "messages")
 
     def _checked_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise ApiError(f"{param}: the prompt is empty; it must hold at least one token", param)
+        vocab = self.engine.vocab_size
+        if not all_token_ids(ids, limit=vocab):  # sent by the client, or a tokenizer larger than the model
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise ApiError(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param)
         if len(ids) >= self.max_model_len:
             raise ApiError(f"{param}: the prompt is {len(ids)} tokens; this model's context (max_model_len) is "
                            f"{self.max_model_len}, which must leave room for at least one generated token", param)
@@ -134,7 +161,8 @@ class Server:
                 raise ApiError(f"max_tokens ({max_tokens}) + prompt tokens ({prompt_len}) exceed this model's "
                                f"context (max_model_len {self.max_model_len})", "max_tokens")
         try:
-            return body.sampling_params(max_tokens, logprobs)
+            # The engine's own check of what this model can serve: what passes cannot fail in the engine loop.
+            return self.engine.check_params(body.sampling_params(max_tokens, logprobs))
         except ValueError as error:
             raise ApiError(str(error), str(error).split()[0]) from error
 
@@ -177,7 +205,7 @@ class Server:
             log.warning("request %s failed: %s", stream.request_id, error)
             status = 400 if isinstance(error, ValueError) else 500
             yield _sse(api.ErrorResponse(error=api.ErrorInfo(
-                message=str(error), type="invalid_request_error" if status == 400 else "server_error")))
+                message=api.printable(str(error)), type="invalid_request_error" if status == 400 else "server_error")))
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
@@ -225,7 +253,7 @@ def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: Chat
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError):
-        message, param = _validation_message(error.errors()[0])
+        message, param = _validation_message(error.errors(), error.body)
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -10,8 +10,10 @@ A stream keeps only the latest output: engine outputs are cumulative (every fiel
 so a slow client loses nothing when several steps merge into one chunk, and a stream never grows.
 
 An abort (client disconnect or cancel) is handed to the engine before the next step, which frees the request's
-blocks at once; a request still queued in the loop is dropped without reaching the engine. If a step raises,
-every request in flight gets the error, the engine aborts them all, and the loop keeps serving new requests.
+blocks at once; a request still queued in the loop is dropped without reaching the engine. A request the engine
+refuses at `add_request` fails alone. If a step raises, every request in flight gets the error, the engine aborts
+them all, and the loop keeps serving new requests: a last resort, for bugs; no request's parameters can cause it
+(the handlers ask the engine's `check_params` first, and `add_request` checks the rest before registering).
 """
 
 from __future__ import annotations
@@ -202,9 +204,12 @@ class EngineLoop:
             try:
                 self.engine.add_request(stream.request_id, params=add.params, prompt_token_ids=add.prompt_token_ids,
                                         arrival_time=add.arrival_time)
-            except ValueError as error:  # the handler validated it; this is a mismatch to report, not to hide
+            except Exception as error:  # the handler validated it; this is a mismatch to report, not to hide
+                if not isinstance(error, ValueError):
+                    log.exception("add_request failed")
+                    error = EngineFailure(f"the engine could not take this request: {error!r}")
                 del self._streams[stream.request_id]
-                stream.put(ValueError(str(error)))
+                stream.put(error)
                 continue
             self.metrics.request_admitted(len(add.prompt_token_ids))
         self.metrics.update_engine(self.engine, len(self._adds))
@@ -226,7 +231,10 @@ class EngineLoop:
 
     def _fail_all(self, error: EngineFailure) -> None:
         for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # keep failing the others' streams: the loop must outlive a broken engine
+                log.exception("abort of %s failed after a failed step", request_id)
         for request_id in list(self._streams):
             if not any(add.stream.request_id == request_id for add in self._adds):
                 self._streams.pop(request_id).put(error)

@@ -2,9 +2,14 @@
 
 Requests accept OpenAI's fields plus vLLM's sampling extensions (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, ...), which clients send through `extra_body`. Unknown fields are refused (400
-naming the field) rather than ignored: a misspelt `temprature` must not silently sample at 1.0. Range checks
-live in `SamplingParams` (one source of truth with the engine); here only the limits OpenAI itself documents
-and those the engine cannot know (a seed must fit in 64 bits, `max_tokens` must fit the context).
+naming the field) rather than ignored: a misspelt `temprature` must not silently sample at 1.0. Types are strict
+(`true` is not the token id 1, nor `"yes"` a boolean). Range checks live in `SamplingParams` (one source of truth
+with the engine); here only the limits OpenAI itself documents and those the engine cannot know (a seed must fit
+in 64 bits, `max_tokens` must fit the context).
+
+Every string of a request, dict keys included, must be one UTF-8 can encode: JSON lets a client send a lone
+surrogate (`"\\ud800"`), which no tokenizer takes. One check over the whole raw body refuses it before any field
+is read (`UNENCODABLE`), naming where it is as a dotted path (`messages.0.content`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from ioattn.engine.sampling import SamplingParams
 
@@ -24,8 +30,43 @@ MAX_N = 128
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+# The validation error type of a string UTF-8 cannot encode; its ctx holds the dotted path ("param").
+UNENCODABLE = "string_not_utf8"
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="null")
+    model_config = ConfigDict(extra="forbid", strict=True, ser_json_inf_nan="null")
+
+
+def printable(text: str) -> str:
+    """text with what UTF-8 cannot encode written as a backslash escape (a key that is itself a lone surrogate
+    still has to be named in an error body)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unencodable_string(value: Any) -> tuple[str, str] | None:
+    """(dotted path, that string) of the first string in a JSON value, keys included, that UTF-8 cannot encode;
+    None when there is none. Iterative: nesting depth cannot overflow the stack."""
+    stack = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path, item
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                key_path = f"{path}.{key}" if path else str(key)
+                children += [(key_path, key), (key_path, child)]
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            # Token-id prompts are long lists of ints: only containers and strings need a look.
+            stack.extend(reversed([(f"{path}.{i}" if path else str(i), child) for i, child in enumerate(item)
+                                   if isinstance(child, (str, dict, list))]))
+    return None
 
 
 class StreamOptions(StrictModel):
@@ -34,6 +75,19 @@ class StreamOptions(StrictModel):
 
 class _SamplingRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_utf8_can_encode(cls, data: Any) -> Any:
+        found = unencodable_string(data)
+        if found is not None:
+            path, text = found
+            index = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+            raise PydanticCustomError(
+                UNENCODABLE, "{param}: the string holds a lone surrogate ({char}) at index {index}, which UTF-8 "
+                "cannot encode: send text as valid Unicode",
+                {"param": printable(path), "char": ascii(text[index]), "index": index})
+        return data
 
     model: str
     n: int = Field(1, ge=1, le=MAX_N)

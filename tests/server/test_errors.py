@@ -36,6 +36,16 @@ BAD_COMPLETIONS = [
     ({**GOOD, "logit_bias": {"1": 5}}, "logit_bias is not supported", "logit_bias"),
     ({"model": MODEL, "max_tokens": 2}, "Field required", "prompt"),
     ({**GOOD, "max_tokens": "many"}, "valid integer", "max_tokens"),
+    # What the model cannot serve is refused here, not in the engine's step (which used to fail every request).
+    ({**GOOD, "stop_token_ids": [600], "min_tokens": 1}, "stop_token_ids must be token ids in [0, 512), got [600]",
+     "stop_token_ids"),
+    ({**GOOD, "stop_token_ids": [2**70]}, "stop_token_ids must be token ids", "stop_token_ids"),
+    # Strict types: a boolean is neither a token id nor a count, a string no boolean.
+    ({**GOOD, "prompt": [1, True]}, "valid integer", "prompt.1"),
+    ({**GOOD, "max_tokens": True}, "valid integer", "max_tokens"),
+    ({**GOOD, "ignore_eos": "yes"}, "valid boolean", "ignore_eos"),
+    ({**GOOD, "stream_options": {"include_usage": "yes"}}, "valid boolean", "stream_options.include_usage"),
+    ({**GOOD, "stop_token_ids": [1.5]}, "valid integer", "stop_token_ids.0"),
 ]
 BAD_CHATS = [
     ({**CHAT, "messages": []}, "at least 1 item", "messages"),
@@ -71,6 +81,58 @@ def test_bad_request_is_400_naming_the_problem(http, path, body, words, param):
     # Streaming requests are checked before the stream starts.
     if isinstance(body, dict) and "model" in body:
         assert_error(http.post(path, json={**body, "stream": True}), 400, words, param)
+
+
+# Lone surrogates, as JSON escapes (clients refuse to encode them): raw bodies, and the param that names where.
+SURROGATE_BODIES = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "ok \\udfff", "stream": true}', "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["\\ud800"]}', "prompt.0"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", "\\udc80"]}', "stop.1"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "x"}', "model"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "\\ud800": 1}', "\\ud800"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"\\ud800": 1}}', "logit_bias.\\ud800"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xed\xa0\x80"}', "prompt"),  # its UTF-8-like bytes
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\ud800"}]}]}',
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi", "name": "\\udfff"}]}',
+     "messages.0.name"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", SURROGATE_BODIES)
+def test_a_lone_surrogate_anywhere_is_400_and_the_connection_stays(http, path, body, param):
+    """It used to be a 500 from the tokenizer, with the keep-alive connection reset."""
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert_error(response, 400, "lone surrogate", param)
+    assert response.headers.get("connection") != "close"
+    assert http.post("/v1/completions", json=GOOD).status_code == 200  # the same keep-alive connection
+
+
+def test_one_bad_request_does_not_fail_five_live_ones(live_server, http):
+    """The review's scenario: five unrelated streams mid-decode, then `stop_token_ids: [600]` with `min_tokens`
+    (which used to raise IndexError inside the engine's step and fail all six with 500). The bad one gets a 400;
+    the five finish normally."""
+    import openai
+
+    with openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        streams = [client.completions.create(model=MODEL, prompt=f"live {i}", max_tokens=12, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                   for i in range(5)]
+        chunks = [[next(iter(stream))] for stream in streams]  # every one is decoding now
+        bad = {**GOOD, "stop_token_ids": [600], "min_tokens": 1}
+        for body in (bad, {**bad, "stream": True}, {**bad, "stop_token_ids": [2**70]}):
+            assert_error(http.post("/v1/completions", json=body), 400, "stop_token_ids", "stop_token_ids")
+        for stream, received in zip(streams, chunks):
+            received.extend(stream)
+    for received in chunks:
+        assert [c.choices[0].finish_reason for c in received if c.choices][-1] == "length"
+        assert received[-1].usage.completion_tokens == 12
+    live_server.wait_idle()
+    assert live_server.server.engine.kv.stats().blocks_used == 0
 
 
 def test_malformed_bodies(http):
@@ -138,4 +200,20 @@ def test_failed_step_is_an_error_and_the_engine_keeps_serving(live_server, clien
             client.completions.create(**request)
     live_server.wait_idle()
     assert engine.kv.stats().blocks_used == 0
+    assert client.completions.create(**GOOD).usage.completion_tokens >= 1
+
+
+def test_an_add_request_that_raises_fails_that_request_alone(live_server, client, monkeypatch):
+    """Not a ValueError: a bug, reported as a 500 for that request; the engine loop lives on (it used to die)."""
+    engine = live_server.server.engine
+    real_add = engine.add_request
+
+    def add_failing_once(*args, **kwargs):
+        monkeypatch.setattr(engine, "add_request", real_add)
+        raise TypeError("injected add failure")
+
+    monkeypatch.setattr(engine, "add_request", add_failing_once)
+    with pytest.raises(openai.InternalServerError, match="injected add failure"):
+        client.completions.create(**GOOD)
+    assert live_server.server.loop.alive
     assert client.completions.create(**GOOD).usage.completion_tokens >= 1
