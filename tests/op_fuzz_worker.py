@@ -138,19 +138,44 @@ def run_varlen(case, device):
     dtype = DTYPES[case["dtype"]]
     lq, lk = case["lens_q"], case["lens_k"]
     hq, hkv, d = case["Hq"], case["Hkv"], case["D"]
-    q = _random((sum(lq), hq, d), dtype, gen, device)
-    k = _random((sum(lk), hkv, d), dtype, gen, device)
-    v = _random((sum(lk), hkv, d), dtype, gen, device)
-    cu_q = _cu(lq, device, case["cu_q"], q.shape[0])
-    cu_k = _cu(lk, device, case["cu_k"], k.shape[0])
+    base = [_random((sum(lq), hq, d), dtype, gen, device), _random((sum(lk), hkv, d), dtype, gen, device),
+            _random((sum(lk), hkv, d), dtype, gen, device)]
+    grad = case.get("grad", False) and dtype.is_floating_point
+    leaves = [t.clone().requires_grad_() for t in base] if grad else base
+
+    def views(q, k, v):  # flash-attn's packed varlen layouts: (total, 3, H, D) or (total, 2, Hkv, D)
+        layout = case.get("layout", "contiguous")
+        if layout == "qkv_packed" and q.shape == k.shape:
+            return list(torch.stack([q, k, v], dim=1).unbind(1))
+        if layout == "kv_packed":
+            return [q, *torch.stack([k, v], dim=1).unbind(1)]
+        return [q, k, v]
+
+    cu_q = _cu(lq, device, case["cu_q"], base[0].shape[0])
+    cu_k = _cu(lk, device, case["cu_k"], base[1].shape[0])
     max_q = {"exact": max(lq, default=0), "small": max(max(lq, default=0) - 1, 0), "huge": 2**40,
              "negative": -1, "float": 3.0}[case["max_q"]]
-    kwargs = dict(causal=case["causal"], window_size=tuple(case["window"]), softmax_scale=case["scale"],
-                  backend=case["backend"])
-    out = ioattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max(lk, default=0), **kwargs)
-    ref, _ = attention_ref(q, k, v, causal=case["causal"], window_size=tuple(case["window"]),
-                           softmax_scale=case["scale"], cu_seqlens_q=cu_q.cpu(), cu_seqlens_k=cu_k.cpu())
-    return _compare("out", out, ref, dtype)
+    rules = dict(causal=case["causal"], window_size=tuple(case["window"]), softmax_scale=case["scale"])
+    out = ioattn.flash_attn_varlen_func(*views(*leaves), cu_q, cu_k, max_q, max(lk, default=0), **rules,
+                                        backend=case["backend"], deterministic=case.get("deterministic"))
+    refs = [t.detach().double().requires_grad_(grad) for t in base]
+    ref, _ = attention_ref(*views(*refs), **rules, cu_seqlens_q=cu_q.cpu(), cu_seqlens_k=cu_k.cpu())
+    problem = _compare("out", out, ref, dtype)
+    if problem or not grad or out.numel() == 0:
+        return problem
+    do = _random(out.shape, dtype, gen, device)
+    out.backward(do)
+    ref_views = views(*refs)
+    scale = case["scale"] if case["scale"] is not None else d ** -0.5
+    view_grads = attention_grads_ref(*ref_views, do, scale=scale, causal=case["causal"],
+                                     window_size=tuple(case["window"]), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                     saved_o=out.detach())[:3]
+    ref_grads = torch.autograd.grad(ref_views, refs, view_grads, allow_unused=True)
+    for name, leaf, ref_grad in zip(("dq", "dk", "dv"), leaves, ref_grads):
+        problem = _compare(name, leaf.grad, ref_grad, dtype)
+        if problem:
+            return problem
+    return None
 
 
 def run_sdpa(case, device):

@@ -8,7 +8,8 @@ Two levels, so that checking never costs a CUDA call a host synchronisation unle
   windows, scales, split counts) and the relations between them that the host knows (batch sizes, head counts,
   head dims, cache geometry).
 - **Contents** (`validate=True`; the default for CPU tensors, whose contents are read without any device sync,
-  and for CUDA tensors when `IOATTN_VALIDATE=1`, as the test suite sets it): also every index tensor's values —
+  and for CUDA tensors when `IOATTN_VALIDATE=1`, as the test suite sets it; never inside a CUDA graph capture,
+  which cannot read device data): also every index tensor's values —
   cu_seqlens start at 0, never decrease and end at the packed length; `max_seqlen_*` covers the longest
   sequence; seq_lens lie in [0, table capacity] with q_len <= seq_len; every block id a call reads lies in
   [0, num_blocks), and -1 (an evicted block) appears only where a window and the sinks leave it unread; slots
@@ -39,12 +40,15 @@ INT32_MAX = 2**31 - 1  # lengths and offsets the kernels hold in int32
 
 def checks_contents(validate, device: torch.device) -> bool:
     """Whether a call checks its index tensors' values (see the module docstring): `validate` when True/False;
-    None means always for CPU tensors and for CUDA ones when IOATTN_VALIDATE=1."""
-    if validate is None:
-        return device.type != "cuda" or os.environ.get(VALIDATE_ENV, "0") == "1"
-    if not isinstance(validate, bool):
+    None means always for CPU tensors and for CUDA ones when IOATTN_VALIDATE=1. Never while a CUDA graph is being
+    captured: a capture cannot read device data (the same call is checked when it runs eagerly)."""
+    if not (validate is None or isinstance(validate, bool)):
         raise ValueError(f"validate must be True, False or None (contents checked on CPU, or with {VALIDATE_ENV}=1), "
                          f"got {validate!r}")
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    if validate is None:
+        return device.type != "cuda" or os.environ.get(VALIDATE_ENV, "0") == "1"
     return validate
 
 

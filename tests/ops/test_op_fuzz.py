@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-WORKER = Path(__file__).with_name("op_fuzz_worker.py")
+WORKER = Path(__file__).parents[1] / "op_fuzz_worker.py"
 REPO = Path(__file__).resolve().parents[2]
 CASE_TIMEOUT_S = 300
 # Words every refusal of a given op must contain one of: the argument it names.
