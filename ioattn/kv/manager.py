@@ -169,7 +169,10 @@ class KVCacheManager:
         return seq
 
     def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
-        seq = self._find(seq_id)
+        try:  # _find inline: append calls this once per decode
+            seq = self.seqs.get(seq_id)
+        except TypeError:
+            seq = self._find(seq_id)
         if seq is None or not seq.on_gpu:
             self._get(seq_id)
             raise ValueError(f"seq_id {seq_id!r} is swapped out; swap_in before {action}")
@@ -239,7 +242,9 @@ class KVCacheManager:
         """
         seq = self._on_gpu(seq_id, "append")
         new_tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
-        _check_token_ids("token_ids", new_tokens, lowest=PLACEHOLDER)
+        for token in new_tokens:  # inline: one or two tokens a decode, on every step's hot path
+            if type(token) is not int or not PLACEHOLDER <= token < TOKEN_ID_LIMIT:
+                _check_token_ids("token_ids", new_tokens, lowest=PLACEHOLDER)
         bs = self.block_size
         old_len = len(seq.token_ids)
         fresh = cdiv(old_len + len(new_tokens), bs) - len(seq.blocks)
