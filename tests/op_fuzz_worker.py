@@ -276,11 +276,11 @@ def run_cache_write(case, device):
     value = _random((tokens, hkv, d), dtype, gen, device)
     slot_mapping = slots.to(DTYPES.get(case["slot_dtype"], torch.int64)).to(device)
     ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
-    expected = torch.zeros_like(k_cache).reshape(-1, hkv, d)
+    expected = torch.zeros(num_blocks * page, hkv, d)
     slots = slot_mapping.long().cpu()  # as passed (a cast to int32 may have wrapped it)
     keep = slots >= 0
     expected[slots[keep]] = key.cpu().float()[keep]
-    return _compare("k_cache", k_cache.reshape(-1, hkv, d), expected, torch.float32) if keep.any() else None
+    return _compare("k_cache", k_cache.reshape(-1, hkv, d).cpu(), expected, torch.float32) if keep.any() else None
 
 
 def run_block_copy(case, device):
