@@ -512,7 +512,11 @@ def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def _empty_in(layout: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.empty_strided(layout.shape, layout.stride(), dtype=dtype or layout.dtype, device=layout.device)
+    """A new tensor with the strides of `layout`, which must be dense (empty_like keeps a dense tensor's strides;
+    those of size-1 dims may differ, and no index ever multiplies them)."""
+    out = torch.empty_like(layout, dtype=dtype)
+    assert all(a == b for a, b, n in zip(out.stride(), layout.stride(), layout.shape) if n > 1), layout.stride()
+    return out
 
 
 def _in_layout(t: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
