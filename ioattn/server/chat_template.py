@@ -1,9 +1,11 @@
-"""Chat messages -> prompt text: the checkpoint's jinja2 `chat_template`, or a plain one for built-in models.
+"""Chat messages -> prompt text: the model's jinja2 chat template, or a plain one for built-in random models.
 
-A checkpoint's template (from `tokenizer_config.json`, as transformers' `apply_chat_template` reads it) writes
-the BOS token itself, so its text is encoded without adding special tokens again; the plain template writes no
-special tokens, so its text is encoded with them (the byte-level tokenizer of `tiny` cannot spell them as text).
-Templates run in jinja2's sandbox: a template is code shipped with a checkpoint.
+The model's template is the one `LoadedModel.chat_template` carries: a checkpoint folder's `tokenizer_config.json`
+(as transformers' `apply_chat_template` reads it) or a GGUF file's `tokenizer.chat_template`, with the BOS/EOS
+strings it may write. Such a template writes the special tokens itself, so its text is encoded without adding
+special tokens again; the plain template writes none, so its text is encoded with them (the byte-level
+tokenizer of `tiny` cannot spell them as text). Templates run in jinja2's sandbox: a template is code shipped
+with a model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ioattn.models.loader import ChatTemplateSource, LoadedModel, chat_template_source
 
 PLAIN_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
@@ -30,13 +34,6 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
-def _special_token(value) -> str:
-    """tokenizer_config.json spells a special token as its text or as {"content": text, ...}."""
-    if isinstance(value, dict):
-        return value.get("content", "")
-    return value or ""
-
-
 @dataclass(frozen=True)
 class ChatTemplate:
     source: str
@@ -49,23 +46,27 @@ class ChatTemplate:
         return cls(PLAIN_TEMPLATE, add_special_tokens=True)
 
     @classmethod
-    def for_model(cls, model: str | os.PathLike, template_file: str | os.PathLike | None = None) -> ChatTemplate:
-        """The template of a checkpoint folder (or of `template_file`, a jinja file, when given); the plain
-        template for presets and checkpoints without one."""
-        config = {}
-        config_file = os.path.join(model, "tokenizer_config.json")
-        if os.path.isdir(model) and os.path.isfile(config_file):
-            with open(config_file) as f:
-                config = json.load(f)
-        source = config.get("chat_template")
-        if isinstance(source, list):  # several named templates: the default one
-            source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    def from_source(cls, source: ChatTemplateSource | None) -> ChatTemplate:
+        """A model's template (`LoadedModel.chat_template`); the plain one when the model has none."""
+        if source is None:
+            return cls.plain()
+        return cls(source.template, source.bos_token, source.eos_token)
+
+    @classmethod
+    def for_model(cls, model: str | os.PathLike | LoadedModel,
+                  template_file: str | os.PathLike | None = None) -> ChatTemplate:
+        """The template of a loaded model, or of a preset, GGUF file or checkpoint folder read from its metadata
+        alone; `template_file` (a jinja file) replaces the template's text when given."""
+        source = model.chat_template if isinstance(model, LoadedModel) else chat_template_source(model)
         if template_file is not None:
             with open(template_file) as f:
-                source = f.read()
-        if not source:
-            return cls.plain()
-        return cls(source, _special_token(config.get("bos_token")), _special_token(config.get("eos_token")))
+                text = f.read()
+            source = ChatTemplateSource(text, *((source.bos_token, source.eos_token) if source else ()))
+        return cls.from_source(source)
+
+    def token_ids(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The rendered prompt encoded as this template needs (special tokens added only by the plain one)."""
+        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=self.add_special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         messages = [{**message, "content": _text_content(i, message.get("content"))}
