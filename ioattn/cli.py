@@ -1,6 +1,8 @@
 """`ioattn demo | generate | serve | bench NAME | explain` — the command-line front of the library.
 
 `ioattn bench NAME ...` runs `ioattn.bench.NAME.main(argv)`: each benchmark is one module with its own flags.
+Bad arguments end a command with argparse's message and exit status 2, never a traceback: flags are checked
+by their types, and values only the library can judge (a model path, a dtype) by its ValueError/OSError.
 """
 
 from __future__ import annotations
@@ -11,6 +13,22 @@ import json
 import pkgutil
 import sys
 import time
+
+DEFAULT_MODEL = "smollm2"
+MODEL_HELP = ("a preset (smollm2: SmolLM2-135M-Instruct, the default; tiny; llama3-8b-shape), a llama GGUF file or "
+              "a local Hugging Face checkpoint folder")
+EXPLAIN_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _benchmarks() -> list[str]:
@@ -23,9 +41,10 @@ def _benchmarks() -> list[str]:
 def _add_generate_command(subparsers) -> None:
     generate = subparsers.add_parser(
         "generate", help="offline batched generation with the engine (text, finish reason, timings per request)")
-    generate.add_argument("--model", default="tiny", help="a local Hugging Face checkpoint folder or a preset "
-                          "(tiny, llama3-8b-shape)")
+    generate.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     generate.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    generate.add_argument("--chat", action="store_true",
+                          help="send each prompt as a user message through the model's chat template")
     generate.add_argument("--prompts-file", default=None, help="one prompt per non-empty line ('-': stdin)")
     # Sampling flags default to None so that SamplingParams' own defaults (vLLM's) apply when a flag is absent.
     generate.add_argument("--n", type=int, default=None, help="completions per prompt (beam search: best beams)")
@@ -48,13 +67,13 @@ def _add_generate_command(subparsers) -> None:
 
 def _add_explain_command(subparsers) -> None:
     explain = subparsers.add_parser("explain", help="which kernel runs for a shape, and why")
-    explain.add_argument("--batch", type=int, default=1)
-    explain.add_argument("--seqlen-q", type=int, default=4096)
-    explain.add_argument("--seqlen-k", type=int, default=None)
-    explain.add_argument("--heads-q", type=int, default=16)
-    explain.add_argument("--heads-kv", type=int, default=None)
-    explain.add_argument("--head-dim", type=int, default=128)
-    explain.add_argument("--dtype", default="bfloat16")
+    explain.add_argument("--batch", type=positive_int, default=1)
+    explain.add_argument("--seqlen-q", type=positive_int, default=4096)
+    explain.add_argument("--seqlen-k", type=positive_int, default=None)
+    explain.add_argument("--heads-q", type=positive_int, default=16)
+    explain.add_argument("--heads-kv", type=positive_int, default=None)
+    explain.add_argument("--head-dim", type=positive_int, default=128)
+    explain.add_argument("--dtype", default="bfloat16", choices=EXPLAIN_DTYPES)
     explain.add_argument("--causal", action="store_true")
     explain.add_argument("--device", default=None)
 
@@ -66,8 +85,9 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 
     parser = argparse.ArgumentParser(prog="ioattn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the README's main job: exactness of every kernel path, a quick benchmark, then the "
-                   "serving engine on `tiny`")
+    demo = sub.add_parser("demo", help="the README's main job: exactness of every kernel path, then chat requests "
+                          "served by the engine on a real model (SmolLM2-135M-Instruct)")
+    demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     _add_generate_command(sub)
     add_serve_command(sub)
     benchmarks = ", ".join(_benchmarks())
@@ -96,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from ioattn.demo import main as demo_main
 
-        return demo_main() or 0
+        return demo_main(args.model) or 0
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
@@ -115,33 +135,39 @@ def _explain(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     n_k = args.seqlen_k or args.seqlen_q
     h_kv = args.heads_kv or args.heads_q
-    q = torch.empty(args.batch, args.seqlen_q, args.heads_q, args.head_dim, dtype=dtype, device=device)
-    k = torch.empty(args.batch, n_k, h_kv, args.head_dim, dtype=dtype, device=device)
-    print(ioattn.explain(q, k, k, causal=args.causal))
+    try:
+        q = torch.empty(args.batch, args.seqlen_q, args.heads_q, args.head_dim, dtype=dtype, device=device)
+        k = torch.empty(args.batch, n_k, h_kv, args.head_dim, dtype=dtype, device=device)
+        text = ioattn.explain(q, k, k, causal=args.causal)
+    except (ValueError, RuntimeError) as error:  # a bad --device, or a shape the kernels refuse
+        return _fail("explain", str(error))
+    print(text)
     return 0
+
+
+def _fail(command: str, message: str) -> int:
+    """argparse's way out: the message on stderr, exit status 2."""
+    print(f"ioattn {command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 # -- generate ------------------------------------------------------------------------------------------------
 
 
-def _fail(message: str) -> int:
-    print(f"ioattn generate: error: {message}", file=sys.stderr)
-    return 2
-
-
 def _generate(args: argparse.Namespace) -> int:
     from ioattn.engine import LLM, BeamSearchParams, SamplingParams
+    from ioattn.models.loader import load_model
 
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         try:
             stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
         except OSError as error:
-            return _fail(f"--prompts-file: {error}")
+            return _fail("generate", f"--prompts-file: {error}")
         with stream:
             prompts += [line.rstrip("\n") for line in stream if line.strip()]
     if not prompts:
-        return _fail("give at least one --prompt or a --prompts-file")
+        return _fail("generate", "give at least one --prompt or a --prompts-file")
 
     # Checked before the model loads, so a bad value fails in a fraction of a second.
     stop_flags = _given(dict(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos))
@@ -152,26 +178,34 @@ def _generate(args: argparse.Namespace) -> int:
             # Beam search picks deterministically: sampling flags would be silently ignored, so refuse them.
             given = ["--" + name.replace("_", "-") for name in _given(sampling_flags)]
             if given:
-                return _fail(f"{', '.join(given)} cannot be used with --beam-width (beam search does not sample)")
+                return _fail("generate", f"{', '.join(given)} cannot be used with --beam-width "
+                             "(beam search does not sample)")
             params = BeamSearchParams(beam_width=args.beam_width, n=args.n, **stop_flags)
         else:
             params = SamplingParams(**_given(dict(n=args.n, **sampling_flags)), **stop_flags)
     except ValueError as error:
-        return _fail(str(error))
+        return _fail("generate", str(error))
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, num_blocks=args.num_blocks,
-                  max_model_len=args.max_model_len)
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(loaded, num_blocks=args.num_blocks, max_model_len=args.max_model_len)
     except (ValueError, OSError) as error:
-        return _fail(str(error))
+        return _fail("generate", str(error))
+    inputs = {"prompts": prompts}
+    if args.chat:
+        from ioattn.server.chat_template import ChatTemplate
+
+        chat = ChatTemplate.for_model(loaded)
+        inputs = {"prompt_token_ids": [chat.token_ids(loaded.tokenizer, [{"role": "user", "content": prompt}])
+                                       for prompt in prompts]}
     start = time.perf_counter()
     if isinstance(params, BeamSearchParams):
-        outputs = llm.beam_search(prompts, params)
+        outputs = llm.beam_search(params=params, **inputs)
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(sampling_params=params, **inputs)
     elapsed = time.perf_counter() - start
 
-    results = [_request_result(output) for output in outputs]
+    results = [{**_request_result(output), "prompt": prompt} for output, prompt in zip(outputs, prompts)]
     num_output_tokens = sum(len(c["token_ids"]) for r in results for c in r["completions"])
     summary = {"requests": len(results), "output_tokens": num_output_tokens, "elapsed_s": round(elapsed, 4),
                "output_tokens_per_s": round(num_output_tokens / elapsed, 2) if elapsed > 0 else None,

@@ -1,14 +1,16 @@
-"""The README's main job: check every kernel path against the float64 reference, a quick benchmark, then the
-serving engine on the `tiny` model.
+"""The README's main job: check every kernel path against the float64 reference, then serve a handful of chat
+requests with a real model (`smollm2`, SmolLM2-135M-Instruct) through the engine.
 
 On a CPU-only machine the Triton kernels run in Triton's interpreter (small shapes) and the torch backend runs
 natively; on CUDA the same checks run compiled, bf16 included. Exit status 1 if any path misses its tolerance
-or the engine leaves a KV block in use.
+or the engine leaves a KV block in use. (Speed is `ioattn bench ...`'s job: a CPU timing says nothing here.)
 
-The engine demo (`engine_demo`) sends a batch of prompts sharing a long system prompt through continuous
-batching with chunked prefill, into a KV pool deliberately too small for the whole batch: it shows prefix-cache
-hits on the shared blocks, preemptions (by recompute) and the pool's utilization, and that every block is free
-again at the end.
+The chat part (`chat_demo`) renders each question with a shared system prompt through the model's own chat
+template and sends them all at once: continuous batching with chunked prefill, so the first request's system
+prompt blocks are in the prefix cache by the time the later ones are admitted. It prints each answer (greedy),
+the output throughput, the KV pool's occupancy, prefix-cache hits and preemptions, and checks that every block
+is free again at the end; `pool_fraction` < 1 gives the pool too few blocks for the whole batch, to show
+preemption.
 """
 
 from __future__ import annotations
@@ -147,8 +149,18 @@ def _describe_machine(device: str) -> str:
     return f"{where}; torch {torch.__version__}, triton {triton.__version__}, {mode}"
 
 
-def main() -> int:
+def main(model: str = "smollm2") -> int:
+    from ioattn.models.loader import load_model
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # The model first: a missing one is reported at once, not after the checks.
+    start = time.perf_counter()
+    try:
+        loaded = load_model(model, device=device)
+    except (ValueError, OSError) as error:
+        print(f"ioattn demo: error: {error}", file=sys.stderr)
+        return 2
+    load_s = time.perf_counter() - start
     dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
     print(f"ioattn {ioattn.__version__} exactness check on {_describe_machine(device)}", flush=True)
     print(f"{'path':52s} {'dtype':9s} {'rel err':>9s} {'tol':>7s}  ok", flush=True)
@@ -169,136 +181,144 @@ def main() -> int:
         print(f"{failures} path(s) failed their tolerance", flush=True)
         return 1
     print("every path matches the float64 reference\n", flush=True)
-    from ioattn.bench.prefill import main as bench_prefill
-
-    bench_status = bench_prefill(["--quick"]) or 0
-    print(flush=True)
-    report = engine_demo(device=device, out=lambda line: print(line, flush=True))
-    return bench_status or (0 if report["blocks_used_after"] == 0 else 1)
+    print(f"loaded {model} in {load_s:.1f} s", flush=True)
+    report = chat_demo(loaded, name=model, out=lambda line: print(line, flush=True))
+    return 0 if report["blocks_used_after"] == 0 else 1
 
 
-# -- the serving engine ----------------------------------------------------------------------------------------
+# -- the serving engine on a real model ------------------------------------------------------------------------
 
-SYSTEM_SENTENCES = (
-    "You are the support assistant of a small observatory. ",
-    "Answer in one or two sentences, plainly and exactly. ",
-    "When a question needs a number, give the number first and its unit after it. ",
-    "If you do not know the answer, say so rather than guess. ",
-    "Never invent opening hours, prices or the names of staff. ",
+SYSTEM_PROMPT = (
+    "You are a helpful assistant for a school quiz. Answer every question in one short, plain sentence. "
+    "Give the fact that was asked for first, without any introduction, and do not add details that were not "
+    "asked for. If a number is asked for, write it with digits. Never ask a question back."
 )
 QUESTIONS = (
-    "When is the next full moon?", "Can children visit the dome?", "How large is the main telescope?",
-    "Is there parking nearby?", "Do you run night tours in winter?", "What should I wear on the roof?",
-    "Can I bring my own camera?", "How far away is Saturn tonight?", "Is the site wheelchair accessible?",
-    "What is a light year?", "Why do stars twinkle?", "How cold does the dome get?",
+    "What is the capital of France?",
+    "How many legs does a spider have?",
+    "What is the largest ocean on Earth?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water in degrees Celsius?",
+    "Which planet is known as the Red Planet?",
+    "How many days are there in a week?",
+    "What gas do plants take in from the air?",
 )
 
 
-def _system_prompt(tokenizer, min_tokens: int) -> str:
-    """The shared system prompt: whole sentences, repeated until it is at least `min_tokens` long."""
-    text, i = "", 0
-    while len(tokenizer.encode(text)) < min_tokens:
-        text += SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)]
-        i += 1
-    return text
-
-
-def engine_demo(
-    num_prompts: int = 24,
-    system_prompt_tokens: int = 224,
-    max_tokens: int = 64,
-    pool_fraction: float = 0.4,
-    max_num_batched_tokens: int = 256,
+def chat_demo(
+    model="smollm2",
+    questions: tuple[str, ...] = QUESTIONS,
+    system_prompt: str = SYSTEM_PROMPT,
+    max_tokens: int = 48,
+    max_num_batched_tokens: int = 128,
+    pool_fraction: float = 1.0,
     device: str | None = None,
     out: Callable[[str], None] = print,
+    progress: bool = True,
+    name: str | None = None,
 ) -> dict:
-    """Run the batch on `tiny` and report (through `out`, and as the returned dict) output tokens/s, KV
-    utilization, prefix hits, preemptions and one sample completion.
+    """Serve one chat request per question (system prompt shared) on `model` (a name `load_model` takes, or a
+    `LoadedModel`, shown as `name`); report through `out`, and as the returned dict, each answer, output tokens/s,
+    KV occupancy, prefix hits and preemptions.
 
     The pool gets `pool_fraction` of the blocks the whole batch would hold if every request ran at once (the
-    system prompt's full blocks counted once), so continuous batching must preempt; prompts longer than
+    system prompt's full blocks counted once); below 1, continuous batching must preempt. Prompts longer than
     `max_num_batched_tokens` are prefilled in chunks.
     """
-    from ioattn.engine import EngineConfig, LLMEngine, SamplingParams
-    from ioattn.models.loader import load_model
+    from tqdm.auto import tqdm
 
-    loaded = load_model("tiny", device=device)
-    system = _system_prompt(loaded.tokenizer, system_prompt_tokens)
-    prompts = [f"{system}Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(num_prompts)]
-    longest = max(len(loaded.tokenizer.encode(p)) for p in prompts) + max_tokens
+    from ioattn.engine import EngineConfig, LLMEngine, SamplingParams
+    from ioattn.models.loader import LoadedModel, load_model
+    from ioattn.server.chat_template import ChatTemplate
+
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device)
+    chat = ChatTemplate.for_model(loaded)
+    tokenizer = loaded.tokenizer
+    prompts = [chat.token_ids(tokenizer, [{"role": "system", "content": system_prompt},
+                                          {"role": "user", "content": question}]) for question in questions]
+    shared = _common_prefix_len(prompts)
     block_size = 16
+    longest = max(len(p) for p in prompts) + max_tokens
     blocks_per_request = math.ceil(longest / block_size)
-    shared_blocks = len(loaded.tokenizer.encode(system)) // block_size
-    batch_need = shared_blocks + num_prompts * (blocks_per_request - shared_blocks)
+    batch_need = shared // block_size + len(prompts) * (blocks_per_request - shared // block_size)
     # The watermark (1% of the pool) is kept free at admission; one whole request must still fit besides it.
     num_blocks = max(math.ceil(pool_fraction * batch_need), blocks_per_request + 2)
     config = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_model_len=longest,
-                          max_num_seqs=num_prompts, max_num_batched_tokens=max_num_batched_tokens,
+                          max_num_seqs=len(prompts), max_num_batched_tokens=max_num_batched_tokens,
                           enable_chunked_prefill=True, enable_prefix_caching=True, preemption_mode="recompute")
     engine = LLMEngine(loaded, config)
     where = str(engine.runner.device)
-    out(f"ioattn engine demo on {where}: {num_prompts} requests on `tiny` (random weights), a shared "
-        f"{len(loaded.tokenizer.encode(system))}-token system prompt, {max_tokens} output tokens each\n"
-        f"  KV pool {num_blocks} blocks x {block_size} tokens ({pool_fraction:.0%} of the {batch_need} blocks the "
-        f"whole batch would hold at once, system prompt shared); chunked prefill at "
-        f"{max_num_batched_tokens} tokens per step; prefix caching on; preemption by recompute")
+    name = name or (model if isinstance(model, str) else "the model")
+    dtype = str(loaded.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    out(f"ioattn chat demo: {name} ({loaded.config.num_layers} layers, hidden {loaded.config.hidden_size}, "
+        f"{dtype}) on {where}\n"
+        f"  {len(prompts)} chat requests sharing a {shared}-token system prompt, greedy, up to {max_tokens} tokens "
+        f"each, all sent at once\n"
+        f"  continuous batching, chunked prefill at {max_num_batched_tokens} tokens per step, prefix caching on; "
+        f"KV pool {num_blocks} blocks x {block_size} tokens ({pool_fraction:.0%} of the {batch_need} blocks the "
+        f"batch would hold at once)")
 
-    # One short request first, outside the timing, so that kernel compilation on CUDA is not counted as serving.
-    engine.add_request("warm-up", "warm-up", SamplingParams(max_tokens=2))
-    for _ in engine.stream():
-        pass
-    before = engine.stats()
-
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(f"demo-{i}", prompt, params)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"chat-{i}", prompt_token_ids=ids, params=params)
     occupancy, slot_use, finished = [], [], {}
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                finished[output.request_id] = output
-        kv = engine.kv.stats()
-        occupancy.append(kv.blocks_used / kv.num_blocks)
-        if kv.slots_allocated:
-            slot_use.append(kv.utilization)
+    with tqdm(total=len(prompts), desc="chat requests", unit="req", disable=not progress, leave=False) as bar:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    bar.update(1)
+            kv = engine.kv.stats()
+            occupancy.append(kv.blocks_used / kv.num_blocks)
+            if kv.slots_allocated:
+                slot_use.append(kv.utilization)
     elapsed = time.perf_counter() - start
 
     stats = engine.stats()
     kv = stats["kv"]
-    # Counters since the warm-up.
-    prefix_query_tokens = kv.prefix_query_tokens - before["kv"].prefix_query_tokens
-    prefix_hit_tokens = kv.prefix_hit_tokens - before["kv"].prefix_hit_tokens
-    output_tokens = sum(len(c.token_ids) for o in finished.values() for c in o.outputs)
+    answers = [finished[f"chat-{i}"].outputs[0] for i in range(len(prompts))]
+    output_tokens = sum(len(a.token_ids) for a in answers)
     report = {
         "device": where,
         "requests": len(finished),
+        "answers": [a.text for a in answers],
         "output_tokens": output_tokens,
+        "prompt_tokens": sum(len(p) for p in prompts),
         "elapsed_s": elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
-        "steps": stats["steps"] - before["steps"],
+        "steps": stats["steps"],
         "num_blocks": num_blocks,
         "peak_pool_occupancy": max(occupancy),
         "mean_pool_occupancy": sum(occupancy) / len(occupancy),
         "mean_slot_utilization": sum(slot_use) / len(slot_use) if slot_use else 1.0,
-        "prefix_query_tokens": prefix_query_tokens,
-        "prefix_hit_tokens": prefix_hit_tokens,
-        "prefix_hit_rate": prefix_hit_tokens / prefix_query_tokens,
-        "resume_hit_tokens": kv.resume_hit_tokens - before["kv"].resume_hit_tokens,
-        "preemptions": stats["preemptions"] - before["preemptions"],
+        "prefix_query_tokens": kv.prefix_query_tokens,
+        "prefix_hit_tokens": kv.prefix_hit_tokens,
+        "prefix_hit_rate": kv.prefix_hit_tokens / max(kv.prefix_query_tokens, 1),
+        "preemptions": stats["preemptions"],
         "blocks_used_after": kv.blocks_used,
-        "sample": finished["demo-0"].outputs[0].text,
     }
-    out(f"  {report['requests']} requests, {output_tokens} output tokens in {elapsed:.1f} s over "
-        f"{report['steps']} steps: {report['output_tokens_per_s']:.1f} output tok/s")
+    for question, answer in zip(questions, answers):
+        out(f"  Q: {question}\n  A: {_one_line(answer.text)}")
+    out(f"  {len(finished)} requests, {report['prompt_tokens']} prompt + {output_tokens} output tokens in "
+        f"{elapsed:.1f} s over {report['steps']} steps: {report['output_tokens_per_s']:.1f} output tok/s")
     out(f"  KV pool occupancy: peak {report['peak_pool_occupancy']:.0%}, mean {report['mean_pool_occupancy']:.0%} "
         f"of blocks; slot utilization in used blocks {report['mean_slot_utilization']:.1%} (mean over steps)")
-    out(f"  prefix cache: {prefix_hit_tokens} of {prefix_query_tokens} prompt tokens hit "
-        f"({report['prefix_hit_rate']:.0%}); preempted requests found {report['resume_hit_tokens']} tokens cached "
-        "on resume")
-    out(f"  preemptions: {report['preemptions']}; blocks still used after the run: {kv.blocks_used}")
-    out(f"  sample completion of request 0 (tiny's weights are random, so it is noise): {report['sample'][:80]!r}")
+    out(f"  prefix cache: {kv.prefix_hit_tokens} of {kv.prefix_query_tokens} prompt tokens hit "
+        f"({report['prefix_hit_rate']:.0%}); preemptions: {report['preemptions']}; blocks still used after the "
+        f"run: {kv.blocks_used}")
     return report
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    shortest = min(len(p) for p in prompts)
+    return next((i for i in range(shortest) if any(p[i] != prompts[0][i] for p in prompts)), shortest)
+
+
+def _one_line(text: str) -> str:
+    """An answer on one line, control characters escaped (a model's bytes must not drive the terminal)."""
+    text = " ".join(text.split())
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode() for ch in text)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The command line: `ioattn generate` on tiny, help texts, `explain`, and the README demo's engine part."""
+"""The command line: `ioattn generate` on tiny, defaults, help texts, argparse-style errors of `generate`, `serve`
+and `explain`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,7 @@ import sys
 
 import pytest
 
-from ioattn.cli import _benchmarks, main
-from ioattn.demo import engine_demo
+from ioattn.cli import _benchmarks, _parser, main
 
 
 def test_generate_greedy_n2_prints_each_completion_with_timings(capsys):
@@ -24,7 +24,7 @@ def test_generate_greedy_n2_prints_each_completion_with_timings(capsys):
 
 
 def test_generate_json_greedy_samples_agree_and_match_a_single_run(capsys):
-    argv = ["generate", "--prompt", "abc", "--temperature", "0", "--max-tokens", "6", "--logprobs", "2", "--json"]
+    argv = ["generate", "--model", "tiny", "--prompt", "abc", "--temperature", "0", "--max-tokens", "6", "--logprobs", "2", "--json"]
     assert main(argv + ["--n", "2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (result,) = doc["results"]
@@ -41,14 +41,14 @@ def test_generate_json_greedy_samples_agree_and_match_a_single_run(capsys):
 def test_generate_beam_search_and_prompts_file(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
-    assert main(["generate", "--prompts-file", str(prompts), "--beam-width", "2", "--max-tokens", "3", "--json"]) == 0
+    assert main(["generate", "--model", "tiny", "--prompts-file", str(prompts), "--beam-width", "2", "--max-tokens", "3", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["prompt"] for r in results] == ["first prompt", "second prompt"]
     assert all(len(r["completions"]) == 2 for r in results)
 
 
 def test_generate_a_refused_prompt_fails_alone_with_exit_1(capsys):
-    status = main(["generate", "--max-model-len", "8", "--prompt", "a prompt past eight tokens", "--prompt", "hi",
+    status = main(["generate", "--model", "tiny", "--max-model-len", "8", "--prompt", "a prompt past eight tokens", "--prompt", "hi",
                    "--temperature", "0", "--max-tokens", "3"])
     stdout = capsys.readouterr().out
     assert status == 1
@@ -62,7 +62,8 @@ def test_generate_a_refused_prompt_fails_alone_with_exit_1(capsys):
         (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
         (["--top-p", "0"], "top_p must be in (0, 1]"),
         (["--beam-width", "2", "--temperature", "0.5"], "--temperature cannot be used with --beam-width"),
-        (["--model", "/no/such/model"], "neither a checkpoint folder nor a preset"),
+        (["--model", "/no/such/model"], "neither a preset, a GGUF file nor a checkpoint folder"),
+        (["--model", "tiny", "--dtype", "float64"], "dtype must be 'auto' or one of"),
     ],
 )
 def test_generate_bad_values_exit_2_with_the_message(flags, message, capsys):
@@ -125,37 +126,37 @@ def test_explain_prints_the_kernel(capsys):
     assert "kernel:" in text and "reason:" in text and "window=(-1, 0)" in text
 
 
-def test_engine_demo_preempts_and_hits_the_prefix_cache():
-    lines = []
-    report = engine_demo(num_prompts=6, system_prompt_tokens=48, max_tokens=24, max_num_batched_tokens=64,
-                         pool_fraction=0.3, out=lines.append)
-    assert report["requests"] == 6 and report["output_tokens"] == 6 * 24
-    assert report["preemptions"] > 0
-    assert report["prefix_hit_tokens"] > 0 and 0 < report["prefix_hit_rate"] < 1
-    assert report["blocks_used_after"] == 0
-    assert report["peak_pool_occupancy"] <= 1
-    text = "\n".join(lines)
-    for name in ("output tok/s", "KV pool occupancy", "prefix cache", "preemptions", "sample completion"):
-        assert name in text
+def test_the_real_model_is_the_default_everywhere():
+    parser, _ = _parser()
+    for command in (["demo"], ["generate"], ["serve"]):
+        assert parser.parse_args(command).model == "smollm2", command
 
 
-@pytest.mark.gpu
-def test_engine_demo_default_settings_on_cuda():
-    """What `ioattn demo` runs on the device: the full batch, bf16, compiled kernels and CUDA graphs."""
-    report = engine_demo(device="cuda", out=lambda line: None)
-    assert report["device"].startswith("cuda")
-    assert report["requests"] == 24 and report["output_tokens"] == 24 * 64
-    assert report["preemptions"] > 0 and report["prefix_hit_tokens"] > 0
-    assert report["blocks_used_after"] == 0
+def test_generate_chat_renders_the_template_and_keeps_the_prompt_text(capsys):
+    """`--chat` on tiny: its plain template wraps the prompt (longer than the bare text), the output names it."""
+    assert main(["generate", "--model", "tiny", "--chat", "--prompt", "hi", "--max-tokens", "2", "--json"]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["prompt"] == "hi" and result["num_prompt_tokens"] > len("hi") + 1
 
 
-def test_demo_exactness_checks_pass_on_this_machine():
-    """The README's main job starts with these; each must stay within its float32 tolerance here."""
-    import torch
-
-    from ioattn.demo import checks
-    from ioattn.reference import TOLERANCE
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    for check in checks():
-        assert check.run(device, torch.float32) < TOLERANCE[torch.float32], check.name
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["serve", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+        (["serve", "--model", "/no/such/model"], "model '/no/such/model' is neither a preset, a GGUF file nor"),
+        (["serve", "--model", "tiny", "--block-size", "3"], "block_size must be a power of two"),
+        (["explain", "--dtype", "float64"], "argument --dtype: invalid choice: 'float64'"),
+        (["explain", "--head-dim", "0"], "argument --head-dim: must be >= 1, got 0"),
+        (["explain", "--head-dim", "1000", "--seqlen-q", "4"], "q head dim must be a multiple of 8"),
+    ],
+)
+def test_serve_and_explain_bad_arguments_exit_2_without_traceback(argv, message, capsys):
+    """argparse's own errors and the library's ValueErrors alike end in one line on stderr and status 2."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:  # argparse exits by itself
+        status = exit_info.code
+    captured = capsys.readouterr()
+    assert status == 2
+    assert f"ioattn {argv[0]}: error: {message}" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""

@@ -5,15 +5,27 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import sys
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
 
 
 def add_serve_command(subparsers) -> argparse.ArgumentParser:
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    serve.add_argument("--model", default="tiny", help="a local Hugging Face checkpoint folder or a preset (tiny, "
-                       "llama3-8b-shape)")
+    serve.add_argument("--model", default="smollm2", help="a preset (smollm2: SmolLM2-135M-Instruct, the default; "
+                       "tiny; llama3-8b-shape), a llama GGUF file or a local Hugging Face checkpoint folder")
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--chat-template", default=None, help="a jinja file overriding the checkpoint's chat template")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="unfinished requests accepted at once; more are answered 429 (default 1024)")
@@ -63,8 +75,12 @@ def build_app(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(args)
+    try:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        app = build_app(args)
+    except (ValueError, OSError) as error:  # a bad model, dtype, size or template file: argparse's way out
+        print(f"ioattn serve: error: {error}", file=sys.stderr)
+        return 2
     # Everything allocated so far (torch, the model, the tokenizer: ~300k tracked objects) lives as long as the
     # server; frozen, it leaves the cyclic GC's full collections, which otherwise stall a step for ~150 ms now and
     # then (0.3 ms once frozen, measured with the engine's host path at 256 sequences).
