@@ -35,9 +35,10 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
                           "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
 
-# What llama.cpp splits text into before byte-level BPE, per `tokenizer.ggml.pre`: each entry is the list of
-# regexes applied in turn (each match isolated), the last one being GPT-2's unless noted.
-_GPT2_SPLIT = None  # the byte-level pre-tokenizer's own regex
+# How llama.cpp splits text before byte-level BPE, per `tokenizer.ggml.pre`: regexes applied in turn, each cutting
+# every piece so far into its matches and the text between them. None is GPT-2's regex, which the byte-level
+# pre-tokenizer applies itself.
+_GPT2_SPLIT = None
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZER_SPLITS = {
