@@ -57,7 +57,7 @@ from ioattn.engine.async_step import LaunchedStep
 from ioattn.engine.outputs import Request, request_output
 from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.engine.sampling import (BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker,
-                                    _is_int, _number)
+                                    is_int, as_real)
 from ioattn.engine.scheduler import (MODES, POLICIES, PREEMPTION_MODES, ScheduledChunk, Scheduler, SchedulerConfig,
                                      SchedulerOutput)
 from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
@@ -103,21 +103,21 @@ class EngineConfig:
 
         for name in ("max_model_len", "num_blocks", "max_num_batched_tokens"):
             value = getattr(self, name)
-            require(value is None or (_is_int(value) and value >= 1), name, "None or an int >= 1")
-        require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1")
-        require(0 < _number(self.gpu_memory_utilization) <= 1, "gpu_memory_utilization", "in (0, 1]")
+            require(value is None or (is_int(value) and value >= 1), name, "None or an int >= 1")
+        require(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1")
+        require(0 < as_real(self.gpu_memory_utilization) <= 1, "gpu_memory_utilization", "in (0, 1]")
         block_size = self.block_size
-        require(_is_int(block_size) and block_size >= 1 and block_size & (block_size - 1) == 0, "block_size",
+        require(is_int(block_size) and block_size >= 1 and block_size & (block_size - 1) == 0, "block_size",
                 "a power of two >= 1")
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
             require(isinstance(getattr(self, name), bool), name, "True or False")
         for name, allowed in (("preemption_mode", PREEMPTION_MODES), ("policy", POLICIES), ("scheduling", MODES)):
             require(isinstance(getattr(self, name), str) and getattr(self, name) in allowed, name, f"one of {allowed}")
-        require(0 <= _number(self.swap_space) < math.inf, "swap_space", "a finite number of GiB >= 0")
+        require(0 <= as_real(self.swap_space) < math.inf, "swap_space", "a finite number of GiB >= 0")
         # Swap preemption with no CPU pool would fail at the first preemption, inside a step.
         require(self.preemption_mode != "swap" or self.swap_space > 0, "swap_space",
                 '> 0 GiB with preemption_mode="swap" (the CPU pool swapped-out blocks go to)')
-        require(0 <= _number(self.watermark) < 1, "watermark", "in [0, 1)")
+        require(0 <= as_real(self.watermark) < 1, "watermark", "in [0, 1)")
         require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
                 "None, True or False")
 
@@ -204,10 +204,10 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         params = self.check_params(SamplingParams() if params is None else params)
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        if arrival_time is not None and not math.isfinite(_number(arrival_time)):
+        if arrival_time is not None and not math.isfinite(as_real(arrival_time)):
             raise ValueError(f"arrival_time must be None or a finite number (time.monotonic() seconds), "
                              f"got {arrival_time!r}")
-        if not _is_int(priority):
+        if not is_int(priority):
             raise ValueError(f"priority must be an int, got {priority!r}")
         beam_search = isinstance(params, BeamSearchParams)
         width = params.beam_width if beam_search else params.n
@@ -249,8 +249,8 @@ class LLMEngine:
             raise ValueError(f"{name} ({width}) must be <= max_num_seqs ({self.scheduler_config.max_num_seqs})")
         reservation = width * -(-self.max_model_len // self.config.block_size)
         if self.scheduler_config.mode == "static" and reservation > self._admissible_blocks:
-            raise ValueError(f"{name}: static scheduling reserves max_model_len for each of the {width} sequences: "
-                             f"{reservation} blocks, more than the pool's {self._admissible_blocks}")
+            raise ValueError(f"{name} ({width}) is too large for static scheduling, which reserves max_model_len for "
+                             f"each sequence: {reservation} blocks, more than the pool's {self._admissible_blocks}")
         return params
 
     def _new_request_id(self, request_id) -> str:
@@ -259,7 +259,7 @@ class LLMEngine:
             while request_id in self.requests:  # a caller's own id may look like a generated one
                 request_id = str(next(self._request_ids))
             return request_id
-        if not isinstance(request_id, str) and not _is_int(request_id):
+        if not isinstance(request_id, str) and not is_int(request_id):
             raise ValueError(f"request_id must be a str (or an int, or None), got {type(request_id).__name__}")
         request_id = str(request_id)
         if request_id in self.requests:
@@ -294,7 +294,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free all its blocks now; False if it is unknown or already finished."""
-        if not isinstance(request_id, str) and not _is_int(request_id):
+        if not isinstance(request_id, str) and not is_int(request_id):
             raise ValueError(f"request_id must be a str (or an int), got {type(request_id).__name__}")
         request = self.requests.get(str(request_id))
         if request is None:

@@ -1,7 +1,9 @@
 """Choosing the next token: request parameters, a batched sampler, stop conditions and beam search.
 
 - `SamplingParams` (vLLM's names, defaults and meanings) and `BeamSearchParams` (vLLM's separate beam-search
-  parameters, as in `LLM.beam_search`): plain dataclasses that validate every value when built.
+  parameters, as in `LLM.beam_search`): plain dataclasses that validate every value when built, in the ranges the
+  sampler can use (a seed torch.Generator takes for every sample, a length penalty whose powers stay finite); the
+  engine checks them again at `add_request`, against its model (stop token ids inside the vocabulary).
 - `Sampler.sample` turns one step's logits, one row per running sequence, into tokens for a whole batch whose
   rows may each use different settings, in vLLM's order: stop tokens masked under `min_tokens`, repetition /
   frequency / presence penalties, then greedy argmax or temperature -> min-p -> top-k -> top-p -> a random draw.
@@ -39,11 +41,12 @@ SEED_RANGE = (-(2**63), 2**64)
 MAX_LENGTH_PENALTY = 16.0
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int and not a bool (True is an int to Python, never a count or an id here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number(value) -> float:
+def as_real(value) -> float:
     """The value as a float for range checks; NaN (failing every check) when it is not a real number."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return math.nan
@@ -75,9 +78,9 @@ class _StopParams:
     output_kind: str = "cumulative"
 
     def __post_init__(self):
-        _require(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+        _require(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
                  "max_tokens", "an int >= 1 or None", self.max_tokens)
-        _require(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an int >= 0", self.min_tokens)
+        _require(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an int >= 0", self.min_tokens)
         if self.max_tokens is not None:
             _require(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})",
                      self.min_tokens)
@@ -85,7 +88,7 @@ class _StopParams:
         _require(isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop), "stop",
                  "a non-empty string or a list of them", self.stop)
         stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        _require(isinstance(stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop_token_ids),
+        _require(isinstance(stop_token_ids, (list, tuple)) and all(is_int(t) and t >= 0 for t in stop_token_ids),
                  "stop_token_ids", "a list of token ids >= 0", self.stop_token_ids)
         self.stop, self.stop_token_ids = list(stop), list(stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -111,20 +114,20 @@ class SamplingParams(_StopParams):
 
     def __post_init__(self):
         super().__post_init__()
-        _require(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
-        _require(0 <= _number(self.temperature) < math.inf, "temperature", ">= 0", self.temperature)
-        _require(0 < _number(self.top_p) <= 1, "top_p", "in (0, 1]", self.top_p)
-        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (off) or an int >= 1", self.top_k)
-        _require(0 <= _number(self.min_p) <= 1, "min_p", "in [0, 1]", self.min_p)
-        _require(0 < _number(self.repetition_penalty) < math.inf, "repetition_penalty", "> 0 and finite",
+        _require(is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
+        _require(0 <= as_real(self.temperature) < math.inf, "temperature", ">= 0", self.temperature)
+        _require(0 < as_real(self.top_p) <= 1, "top_p", "in (0, 1]", self.top_p)
+        _require(is_int(self.top_k) and self.top_k >= -1, "top_k", "-1 or 0 (off) or an int >= 1", self.top_k)
+        _require(0 <= as_real(self.min_p) <= 1, "min_p", "in [0, 1]", self.min_p)
+        _require(0 < as_real(self.repetition_penalty) < math.inf, "repetition_penalty", "> 0 and finite",
                  self.repetition_penalty)
-        _require(-2 <= _number(self.presence_penalty) <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _require(-2 <= _number(self.frequency_penalty) <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        _require(-2 <= as_real(self.presence_penalty) <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        _require(-2 <= as_real(self.frequency_penalty) <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         low, high = SEED_RANGE
-        _require(self.seed is None or (_is_int(self.seed) and low <= self.seed and self.seed + self.n <= high),
+        _require(self.seed is None or (is_int(self.seed) and low <= self.seed and self.seed + self.n <= high),
                  "seed", "None or an int in [-2**63, 2**64 - n] (sample i seeds a torch.Generator with seed + i)",
                  self.seed)
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+        _require(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                  "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
@@ -156,10 +159,10 @@ class BeamSearchParams(_StopParams):
 
     def __post_init__(self):
         super().__post_init__()
-        _require(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width", "an int >= 1", self.beam_width)
+        _require(is_int(self.beam_width) and self.beam_width >= 1, "beam_width", "an int >= 1", self.beam_width)
         self.n = self.beam_width if self.n is None else self.n
-        _require(_is_int(self.n) and 1 <= self.n <= self.beam_width, "n", "an int in [1, beam_width]", self.n)
-        _require(abs(_number(self.length_penalty)) <= MAX_LENGTH_PENALTY, "length_penalty",
+        _require(is_int(self.n) and 1 <= self.n <= self.beam_width, "n", "an int in [1, beam_width]", self.n)
+        _require(abs(as_real(self.length_penalty)) <= MAX_LENGTH_PENALTY, "length_penalty",
                  f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]", self.length_penalty)
         _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
                  'False, True or "never"', self.early_stopping)
@@ -201,7 +204,8 @@ class Sampler:
     """Batched next-token choice; see the module docstring for the order of the stages.
 
     `eos_token_ids` are masked (with each row's `stop_token_ids`) while a row has fewer than `min_tokens`
-    outputs. Every stage runs only on the rows that use it and is skipped when none does.
+    outputs; an id outside the logits' vocabulary is never sampled, so it is skipped rather than indexed. Every
+    stage runs only on the rows that use it and is skipped when none does.
     """
 
     def __init__(self, eos_token_ids: Sequence[int] = ()):

@@ -104,7 +104,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         if config.preemption_mode == "swap" and kv.cpu.num_blocks == 0:
-            raise ValueError('preemption_mode="swap" needs a CPU pool: construct the KV manager with num_cpu_blocks > 0')
+            raise ValueError('preemption_mode="swap" needs a CPU pool: construct the KV manager with '
+                             'num_cpu_blocks > 0')
         self.num_preemptions = 0
         self._by_priority = config.policy == "priority"
         # Static mode: blocks promised to the current batch's max-length reservations.

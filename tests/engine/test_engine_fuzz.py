@@ -70,7 +70,8 @@ def assert_all_finished(engine, ids) -> None:
 
 
 @pytest.mark.parametrize("params, words", [
-    (SamplingParams(stop_token_ids=[600], min_tokens=1), r"stop_token_ids must be token ids in \[0, 512\), got \[600\]"),
+    (SamplingParams(stop_token_ids=[600], min_tokens=1),
+     r"stop_token_ids must be token ids in \[0, 512\), got \[600\]"),
     (SamplingParams(stop_token_ids=[3, 2**70], min_tokens=1), r"stop_token_ids must be .*1180591620717411303424"),
     (BeamSearchParams(beam_width=2, stop_token_ids=[512], min_tokens=2), "stop_token_ids"),
     (SamplingParams(n=MAX_NUM_SEQS + 1), "n"),
@@ -279,8 +280,9 @@ JUNK = st.one_of(
     st.text(max_size=300).map(lambda s: s * 100),
 )
 # Neither a str nor an int (bools are neither here).
-NOT_STR_OR_INT = st.one_of(st.booleans(), st.floats(), st.binary(max_size=4), st.lists(st.integers(-3, 600), max_size=3),
-                           st.just(object()), st.just({"a": 1}), st.just(()))
+NOT_STR_OR_INT = st.one_of(st.booleans(), st.floats(), st.binary(max_size=4),
+                           st.lists(st.integers(-3, 600), max_size=3), st.just(object()), st.just({"a": 1}),
+                           st.just(()))
 BAD_TOKENS = st.sampled_from(["a", 1.5, None, 2**70, 2**63, True, -1, VOCAB, object()])
 GOOD_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 GOOD_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=126), min_size=1, max_size=10)
@@ -444,7 +446,8 @@ class EngineFuzz:
     def build_params(self, beam: bool, data) -> None:
         """Hostile values in every field at once: construction is refused naming a field, or the params run."""
         fields = BAD_BEAM_FIELDS if beam else BAD_FIELDS
-        kwargs = {name: data.draw(st.sampled_from(values)) for name, values in fields.items() if data.draw(st.booleans())}
+        kwargs = {name: data.draw(st.sampled_from(values)) for name, values in fields.items()
+                  if data.draw(st.booleans())}
         if beam:
             kwargs["beam_width"] = kwargs.get("beam_width", 2)
         try:
@@ -514,14 +517,14 @@ ENGINES = st.fixed_dictionaries({
 FUZZ_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=30, **FUZZ_SETTINGS)
+@settings(max_examples=100, **FUZZ_SETTINGS)
 @given(engine_kwargs=ENGINES, operations=st.lists(OPERATIONS, min_size=5, max_size=40))
 def test_fuzz_hostile_requests_among_live_ones(engine_kwargs, operations):
     fuzz(engine_kwargs, operations)
 
 
 @pytest.mark.slow
-@settings(max_examples=300, **FUZZ_SETTINGS)
+@settings(max_examples=2000, **FUZZ_SETTINGS)
 @given(engine_kwargs=ENGINES, operations=st.lists(OPERATIONS, min_size=5, max_size=60))
 def test_fuzz_hostile_requests_among_live_ones_long(engine_kwargs, operations):
     fuzz(engine_kwargs, operations)

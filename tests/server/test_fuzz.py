@@ -22,12 +22,12 @@ LIVE_STREAMS = 3
 LIVE_TOKENS = 12
 ERROR_KEYS = {"message", "type", "param", "code"}
 
-SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), st.sampled_from(["\ud800", "\udfff", "\udc80"]),
-                           st.text(max_size=4))
+SURROGATE_TEXT = st.builds(lambda a, s, b: a + s + b, st.text(max_size=4),
+                           st.sampled_from(["\ud800", "\udfff", "\udc80"]), st.text(max_size=4))
 TEXT = st.one_of(st.text(max_size=12), st.text(max_size=12), SURROGATE_TEXT, st.just(""),
                  st.just("x" * (3 * MAX_MODEL_LEN)))
-SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.sampled_from([2**63, -(2**63) - 1, 10**30]),
-                    st.floats(), TEXT)
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                    st.sampled_from([2**63, -(2**63) - 1, 10**30]), st.floats(), TEXT)
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
                     max_leaves=10)
 SMALL_INTS = st.sampled_from([-1, 0, 1, 2, 3, 5, 129, 600, 2**31, 2**63, 2**70])
