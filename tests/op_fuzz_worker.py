@@ -238,7 +238,7 @@ def run_paged(case, device):
     window = tuple(case["window"])
     out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, causal=True,
                                  window_size=window, sink_tokens=case["sinks"], num_splits=case["splits"],
-                                 gather=case["gather"])
+                                 gather=case["gather"], backend=case.get("backend", "auto"))
     outs, start = [], 0
     for b, (n, m) in enumerate(zip(lens, q_lens)):
         blocks = table[b].long().cpu()
@@ -275,7 +275,7 @@ def run_cache_write(case, device):
     key = _random((tokens, hkv, d), dtype, gen, device)
     value = _random((tokens, hkv, d), dtype, gen, device)
     slot_mapping = slots.to(DTYPES.get(case["slot_dtype"], torch.int64)).to(device)
-    ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+    ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, backend=case.get("backend", "auto"))
     expected = torch.zeros(num_blocks * page, hkv, d)
     slots = slot_mapping.long().cpu()  # as passed (a cast to int32 may have wrapped it)
     keep = slots >= 0

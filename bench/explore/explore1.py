@@ -166,7 +166,7 @@ def decode_section():
 
 # ---------------------------------------------------------------------------------------------------- prefill
 def prefill_section(configs=None):
-    from ioattn.kernels.prefill_fwd import FwdConfig
+    from ioattn.ops.forward import FwdConfig
     from ioattn.ops.attention import flash_attn_with_config
     hq, hkv, d, new, ctx, page = (4, 2, 64, 64, 64, 16) if TINY else (32, 8, 128, 4096, 4096, 16)
     total = new + ctx
@@ -232,7 +232,7 @@ def prefill_section(configs=None):
 
 # ---------------------------------------------------------------------------------------------------- forward
 def fwd_section(cases=None):
-    from ioattn.kernels.prefill_fwd import FwdConfig
+    from ioattn.ops.forward import FwdConfig
     from ioattn.ops.attention import flash_attn_with_config
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = FwdConfig
@@ -302,7 +302,7 @@ def fwd_section(cases=None):
 def bwd_section(configs_by_dim=None, shapes=None):
     """Backward tiles: exactness at 1024 tokens (the float64 reference is quadratic in memory), timing at
     B·N = 16k. configs_by_dim: head dim -> BwdConfigs; shapes: (D, N, causal) cases."""
-    from ioattn.kernels.prefill_bwd import BwdConfig, attention_bwd
+    from ioattn.ops.backward import BwdConfig, attention_bwd
     from ioattn.ops.attention import flash_attn_func
     B = BwdConfig
     configs_by_dim = configs_by_dim or {128: [B(128, 64, 128, 64, 8, 2, False), B(128, 64, 128, 64, 8, 3, False),

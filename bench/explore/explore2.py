@@ -77,7 +77,7 @@ def prefill_configs():
 
 
 def fwd_cases():
-    from ioattn.kernels.prefill_fwd import FwdConfig as F
+    from ioattn.ops.forward import FwdConfig as F
     if e1.TINY:
         return [(64, 128, c, [F(32, 32, 4, 1, tma=False)]) for c in (False, True)]
     return [
@@ -93,7 +93,7 @@ def fwd_cases():
 
 
 def bwd_configs():
-    from ioattn.kernels.prefill_bwd import BwdConfig as B
+    from ioattn.ops.backward import BwdConfig as B
     return {64: [B(64, 64, 64, 64, 4, 3, False), B(64, 64, 64, 64, 4, 4, False), B(128, 64, 128, 64, 8, 3, False),
                  B(128, 64, 128, 64, 8, 4, False)],
             128: [B(128, 64, 128, 64, 8, 3, False), B(128, 64, 128, 64, 8, 4, False), B(64, 64, 64, 64, 8, 4, False)]}

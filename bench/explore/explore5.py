@@ -6,7 +6,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
 
-from ioattn.kernels.prefill_fwd import FwdConfig as F  # noqa: E402
+from ioattn.ops.forward import FwdConfig as F  # noqa: E402
 
 
 save = e1.save_as("explore5")

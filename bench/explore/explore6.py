@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
 
-from ioattn.kernels.prefill_bwd import BwdConfig as B  # noqa: E402
+from ioattn.ops.backward import BwdConfig as B  # noqa: E402
 
 
 save = e1.save_as("explore6")
@@ -30,7 +30,7 @@ def kernel_breakdown():
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ioattn.kernels.prefill_bwd import attention_bwd
+    from ioattn.ops.backward import attention_bwd
     from ioattn.ops.attention import flash_attn_func
     rows = []
     for d, n, causal in ([(64, 128, False)] if e1.TINY else SHAPES):

@@ -1,7 +1,8 @@
 """`ioattn bench tune`: time every candidate tile configuration of a kernel on the GPU and print the winners.
 
-The winners go into the tuned tables by hand (`ioattn.ops.dispatch` for the forward, `ioattn.kernels.prefill_bwd`
-for the backward), so a table entry always traces back to a committed tuning run under bench/results/.
+The winners go into the tuned tables by hand (`ioattn.ops.forward` and `ioattn.ops.backward`; the paged family is
+tuned by `ioattn bench decode --tune`), so a table entry always traces back to a committed tuning run under
+bench/results/.
 Compiling a Triton kernel takes seconds and there are many candidates, so every candidate is first compiled in
 parallel worker processes (they share Triton's on-disk cache), then timed one at a time in this process.
 """
@@ -46,14 +47,9 @@ class Shape:
 
 
 def candidates(shape: Shape) -> list:
-    dtype = getattr(torch, shape.dtype)
-    if shape.family == "fwd":
-        from ioattn.ops.dispatch import candidate_configs
+    from ioattn.ops.tuning import candidate_configs
 
-        return candidate_configs(shape.head_dim, dtype)
-    from ioattn.kernels.prefill_bwd import candidate_configs
-
-    return candidate_configs(shape.head_dim, dtype)
+    return candidate_configs(shape.family, shape.head_dim, getattr(torch, shape.dtype))
 
 
 def make_runner(shape: Shape, config):
@@ -68,7 +64,7 @@ def make_runner(shape: Shape, config):
 
         return lambda: flash_attn_with_config(q, k, v, config, causal=shape.causal)
     import ioattn
-    from ioattn.kernels.prefill_bwd import attention_bwd
+    from ioattn.ops.backward import attention_bwd
 
     out, lse = ioattn.flash_attn_func(q, k, v, causal=shape.causal, return_lse=True)
     do = torch.randn_like(out)

@@ -1,7 +1,7 @@
 """FlashAttention forward (FA2 loop order) in Triton: one program per (query tile, batch x head).
 
 The kernel holds no policy: tile sizes, warps, stages, GQA packing and the dot precision all come from the
-caller (`ioattn.ops.dispatch`). Q, K, V and O move through device-side tensor descriptors (TMA on Hopper);
+caller (`ioattn.ops.forward`, which launches it, and `ioattn.ops.dispatch`, which plans it). Q, K, V and O move through device-side tensor descriptors (TMA on Hopper);
 their out-of-bounds rows and columns read as zero and are clipped on store, so ragged sequence ends and the
 head dim padded to a power of two need no load masks. With `FwdConfig.tma=False` the same tiles move through
 pointer loads instead (masked where a tile crosses the sequence end or the padded head dim): no per-program
@@ -15,52 +15,14 @@ the kernel keeps the three-loop (masked / unmasked / masked) structure.
 
 from __future__ import annotations
 
-import dataclasses
-
-import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation  # the allocator's ContextVar (pinned triton 3.6)
-
-from ioattn.kernels import interpreted
 
 LOG2E = 1.4426950408889634
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # scores live in base 2 inside the kernel
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-
-
-@dataclasses.dataclass(frozen=True)
-class FwdConfig:
-    """Launch configuration of the forward kernel (what the tuning table stores)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    loop_stages: int | None = None  # tl.range(num_stages=...) of the K/V loops; None keeps the launch default
-    tma: bool = True  # tiles move through device-side tensor descriptors; False: pointer loads (cp.async)
-    maxnreg: int | None = None  # register cap per thread: one more resident program per SM where it fits
-
-    def __str__(self) -> str:
-        extra = "" if self.loop_stages is None else f" loop_stages={self.loop_stages}"
-        extra += "" if self.tma else " loads=pointers"
-        extra += "" if self.maxnreg is None else f" maxnreg={self.maxnreg}"
-        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} "
-                f"num_stages={self.num_stages}{extra}")
-
-
-@dataclasses.dataclass(frozen=True)
-class FwdProblem:
-    """Everything the kernel needs to know besides the tensors; all decided by the caller."""
-
-    softmax_scale: float
-    window_left: int  # -1: unbounded (causal is already folded in as window_right = 0)
-    window_right: int
-    bottom_right: bool  # query i sits at key position i + Nk - Nq (flash-attn) instead of i (PyTorch SDPA)
-    input_precision: str  # "ieee" | "tf32" for fp32 inputs; ignored by fp16/bf16 dots
-    pack_gqa: bool  # one program loads a whole GQA query group, so each K/V tile is read once per group
 
 
 @triton.jit
@@ -116,8 +78,8 @@ def _attend_tiles(
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_base[:, None])
         elif SCALE_POSITIVE:
-            # max(qk)·scale is the max of the scaled row, and the scaling folds into one FMA per score (+4% at
-            # D=128 on an H200 against scaling the tile first, measured in bench/results/2026-11-29-fwd-fma.md)
+            # max(qk)·scale is the max of the scaled row, so the scaling folds into one FMA per score
+            # (bench/results/2026-11-29-fwd-fma.md)
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_base = m_new
             p = tl.math.exp2(qk * qk_scale - m_base[:, None])
@@ -280,89 +242,3 @@ def prefill_fwd_kernel(
             o_desc.store([start_row, 0], out.to(O.dtype.element_ty))
         lse_ptrs = LSE + batch64 * stride_lb + row_head.to(tl.int64) * stride_lh + (q_start64 + row) * stride_ln
         tl.store(lse_ptrs, lse, mask=row_valid)
-
-
-def _descriptor_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Device-side tensor descriptors live in global scratch memory that Triton asks the host to allocate.
-
-    Triton keeps its allocator in a ContextVar, so every thread needs its own (autograd runs the backward in a
-    thread of its own); an allocator the caller set is left in place.
-    """
-    if not interpreted() and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_descriptor_scratch)
-
-
-def head_dim_padded(head_dim: int) -> int:
-    """Register tile width: next power of two, at least 16 (the smallest tl.dot reduction size)."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def launch_prefill_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    problem: FwdProblem,
-    config: FwdConfig,
-    *,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> None:
-    """Run the kernel with an explicit configuration; writes `out` and `lse` in place.
-
-    Layouts: q/out (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), lse (B, Hq, Nq); varlen: (total, H, D) and lse
-    (Hq, total_q) with int32 cu_seqlens. `attn_mask` (dense only) must already be broadcast to 4 dims
-    (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
-    aligned base and strides): the caller checks them and copies when they do not.
-    """
-    ensure_allocator()
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        (_, hq, d), hkv = q.shape, k.shape[1]
-        seqlen_q, seqlen_k = 0, 0
-        strides_q = (0, q.stride(0), q.stride(1))
-        strides_k = (0, k.stride(0), k.stride(1))
-        strides_v = (0, v.stride(0), v.stride(1))
-        strides_o = (0, out.stride(0), out.stride(1))
-        strides_l = (0, lse.stride(0), lse.stride(1))
-    else:
-        batch, seqlen_q, hq, d = q.shape
-        seqlen_k, hkv = k.shape[1], k.shape[2]
-        max_seqlen_q = seqlen_q
-        strides_q = (q.stride(0), q.stride(1), q.stride(2))
-        strides_k = (k.stride(0), k.stride(1), k.stride(2))
-        strides_v = (v.stride(0), v.stride(1), v.stride(2))
-        strides_o = (out.stride(0), out.stride(1), out.stride(2))
-        strides_l = (lse.stride(0), lse.stride(1), lse.stride(2))
-    group = hq // hkv
-    if attn_mask is None:
-        mask_kind, mask_arg, strides_m = MASK_NONE, q, (0, 0, 0, 0)
-    else:
-        mask_kind = MASK_BOOL if attn_mask.dtype == torch.bool else MASK_ADDITIVE
-        mask_arg = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-        strides_m = attn_mask.stride()
-    rows = config.block_m // group if problem.pack_gqa else config.block_m
-    grid = (triton.cdiv(max_seqlen_q, rows), batch * (hkv if problem.pack_gqa else hq))
-    if grid[0] == 0 or grid[1] == 0:
-        return
-    dummy_cu = cu_seqlens_q if varlen else lse
-    prefill_fwd_kernel[grid](
-        q, k, v, out, lse, mask_arg, dummy_cu, cu_seqlens_k if varlen else lse,
-        seqlen_q, seqlen_k, hq, hkv,
-        *strides_q, *strides_k, *strides_v, *strides_o, *strides_l, *strides_m,
-        problem.softmax_scale, problem.window_left, problem.window_right,
-        HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        GROUP=group, PACK_GQA=problem.pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=problem.bottom_right,
-        LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
-        INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
-        SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma, num_warps=config.num_warps,
-        num_stages=config.num_stages, maxnreg=config.maxnreg,
-    )

@@ -25,8 +25,8 @@ import dataclasses
 import torch
 from torch.autograd.function import once_differentiable
 
-from ioattn.kernels.prefill_bwd import BwdConfig, attention_bwd
-from ioattn.kernels.prefill_fwd import FwdConfig, launch_prefill_fwd
+from ioattn.ops.backward import BwdConfig, attention_bwd
+from ioattn.ops.forward import FwdConfig, launch_prefill_fwd
 from ioattn.ops import checks, dispatch, torch_backend
 from ioattn.ops.checks import AttentionInputs
 from ioattn.ops.torch_backward import attention_bwd_torch
@@ -198,8 +198,8 @@ def flash_attn_with_config(q, k, v, config: FwdConfig | None, causal=False, wind
     """flash_attn_func on the Triton kernels with explicit tile configurations instead of the tuned tables
     (None keeps the table's choice).
 
-    `ioattn bench tune` times every `dispatch.candidate_configs(D, dtype)` entry through it; a `bwd_config` from
-    `prefill_bwd.candidate_configs(D, dtype)` applies to the backward of this call. Returns (out, lse).
+    `ioattn bench tune` times every `forward.candidate_configs(D, dtype)` entry through it; a `bwd_config` from
+    `backward.candidate_configs(D, dtype)` applies to the backward of this call. Returns (out, lse).
     """
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
     return _apply(q, k, v, inputs, "triton", False, deterministic, config=config, bwd_config=bwd_config)

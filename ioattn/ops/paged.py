@@ -1,11 +1,14 @@
-"""Paged KV-cache operations: cache writes, Flash-Decoding attention over block tables, state merging, block copies.
+"""The paged attention kernel family: Flash-Decoding attention over block tables, its configs, tuned defaults,
+candidates, split heuristic and launchers, the exact merge of partial states, and the CPU backend's dispatch.
 
 Layout (vLLM / flash-attn): `k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim)`, `block_table:
-(batch, max_blocks_per_seq) int32`, `seq_lens: (batch,) int32`, slot = block_id * block_size + offset.
+(batch, max_blocks_per_seq) int32`, `seq_lens: (batch,) int32`, slot = block_id * block_size + offset. The cache
+writes and block copies are in `ioattn.ops.cache`.
 
 All launches are CUDA-graph safe when the caller passes `max_seqlen_q` (multi-token queries) and, if splits are
-used, a `workspace` sized for its largest batch: nothing here reads device data on the host, and every
-allocation depends on shapes only.
+used, a `workspace` sized for its largest batch: nothing here reads device data on the host (unless contents are
+checked, see `ioattn.ops.checks`), and every allocation depends on shapes only. The measurements behind the
+constants below are in lab/README.md ("paged decode" and "chunked prefill").
 """
 
 from __future__ import annotations
@@ -17,49 +20,26 @@ from dataclasses import dataclass
 import torch
 
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
-from ioattn.kernels.cache_ops import gather_cache_kernel, reshape_and_cache_kernel
 from ioattn.kernels.combine import combine_splits_kernel, merge_states_kernel
 from ioattn.kernels.paged_attention import paged_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
-from ioattn.ops.checks import (
-    SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents, is_int,
-    normalized_window, softmax_scale_or_default, unbounded_past,
-)
+from ioattn.ops import torch_paged
+from ioattn.ops.cache import gather_cache, resolve_backend
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
-from ioattn.ops.paged_checks import (
-    MAX_BLOCK_SIZE, check_block_mapping, check_block_table, check_cache, check_cache_pair, check_int_vector,
-    check_slot_contents, check_table_contents, require,
+from ioattn.ops.checks import (
+    SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents,
+    is_int, normalized_window, softmax_scale_or_default, unbounded_past,
 )
+from ioattn.ops.paged_checks import check_block_table, check_cache_pair, check_int_vector, check_table_contents, require
 
-# Split heuristic (num_splits=0). Without splitting there is one program per (sequence, KV head, query tile).
-# When that leaves SM slots idle, split the key axis until there are PROGRAMS_PER_SM programs per SM (resident
-# programs hide each other's load latency: each program overlaps little of its own, see
-# ioattn/kernels/paged_attention.py), but never give a split fewer than MIN_KEYS_PER_SPLIT keys (one 64-key
-# tile of the decode kernel: a split of fewer keys would read a partly empty tile) and never more than MAX_SPLITS.
-# H200, bf16, D=128, per layer over 32 cache copies (bench/results/2026-12-01-explore2-h200.json, -explore3-,
-# -s5-explore10-, -s6-explore11-, -s6-explore12-h200.json):
-#   32/8 heads B=1: L=1k 8.6 us at 16 splits against 20.1 at 2 (the former 512-keys floor) and 32.1 unsplit;
-#     L=4k 13.6 at 64 (12.8 at 32, 21.1 at 8); L=16k 26.6 at 64; L=32k 42.0 at 64 (2.43 TB/s at 33);
-#   32/8 B=8: L=1k 17.3 at 8 against 22.8 at 2; L=32k 4.09 TB/s at 8 splits against 3.76 at 5;
-#   32/32 B=1: L=1k 12.3 at 16 (12.2 at 8) against 20.1 at 2; L=4k 24.7 at 16 against 36.0 at 64;
-#   32/32 B=8 L=16k (256 programs, half the 528 slots): 4.36 TB/s at 2 splits against 3.61 unsplit;
-#   a batch that already fills the slots only loses (B=64 L=1k: 3.36 TB/s unsplit, 3.06 with 2 splits).
-# The context length used is the block table's capacity, block_table.shape[1] * block_size: a host number, so
-# choosing never synchronises; an oversized table only yields more (empty, cheap) splits.
+# Split heuristic (num_splits=0): split the key axis until PROGRAMS_PER_SM programs share each SM (resident programs
+# hide each other's load latency), never below one 64-key decode tile per split, never past MAX_SPLITS.
 PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
 
-# Multi-token queries (chunked prefill, prefix-cache hits): with many query tokens per sequence it pays to
-# gather the context through the block table into a packed buffer and run the dense varlen forward (TMA tiles,
-# its tuned table) instead of the paged kernel's per-page pointer gathers. The gather reads and writes K/V once
-# (4 x context x Hkv x D elements) while the attention does 4 x q_len x context x Hq x D FLOPs, so the gather's
-# share falls as q_len x Hq / Hkv grows: it is taken when the mean query tokens per sequence times the GQA group
-# reaches GATHER_MIN_GROUP_ROWS. H200, bf16, 32/8 heads, D=128, 4k new tokens on a 4k context, page 16
-# (bench/results/2026-12-01-s5-explore10-h200.json): paged kernel 1091 us, gather + dense varlen 844 us (the
-# gather alone 26 us), the dense forward on contiguous K/V 836 us. Only without a window and sinks: a sink +
-# window eviction marks table entries -1, which the paged kernel skips and the gathered path would read as zero
-# keys.
+# Multi-token calls gather their context and run the dense varlen forward once the mean query tokens per sequence
+# times the GQA group reach this: the gather's cost then falls under the page gathers it saves.
 GATHER_MIN_GROUP_ROWS = 1024
 
 
@@ -78,24 +58,21 @@ class PagedConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, a few spills)
 
 
-def default_config(*, decode: bool, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> PagedConfig:
+def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool) -> PagedConfig:
+    """The tuned defaults (H200, bf16; other devices share them: the kernel is bandwidth-bound and its tiles small)."""
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
     if decode:
-        # H200, bf16, 32/8 heads, D=128 (bench/results/2026-12-01-explore2-h200.json, -explore4): 64-key tiles,
-        # 4 warps, 2 stages, capped at 128 registers (4 programs per SM; uncapped this build takes 165 and fits
-        # 3) read 4.13 TB/s at B=64 L=4k against 3.22 uncapped; 128-key tiles or 8 warps were no better anywhere
+        # capped at 128 registers: four programs per SM (bench/results/2026-12-01-explore2-h200.json, -explore4)
         return PagedConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2,
                            maxnreg=128)
     if head_dim <= 128:
-        # chunked prefill (4k new tokens on a 4k context, page 16): capping 8 warps at 128 registers fits two
-        # programs per SM, 505 TFLOP/s against 416 uncapped (bench/results/2026-12-01-explore2-h200.json); the
-        # page gather itself costs ~6% (537 on a page-64 pool, explore3), the dense forward reaches 659
+        # 8 warps capped at 128 registers: two programs per SM (bench/results/2026-12-01-explore2-h200.json)
         return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
+def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool) -> list[PagedConfig]:
     """Configurations worth timing for one shape on the GPU (pass each as `config=` to paged_attention)."""
     stage_options = (1, 2, 3, 4)
     if decode:
@@ -111,16 +88,9 @@ def candidate_configs(*, decode: bool, head_dim: int) -> list[PagedConfig]:
     ]
 
 
-# The split combine is launched by programmatic dependent launch on sm_90+: its programs are scheduled while the
-# split kernel's last programs still run and wait there for its end (griddepcontrol), instead of the launch
-# starting after it. H200, per layer, CUDA graphs (bench/results/2026-12-01-s6-explore12-h200.json): 0.5-1.0 us
-# saved per call on every split row (32/8 B=1 L=1k 8.6 -> 8.0 us, L=32k 42.7 -> 42.0). False restores the
-# plain ordered launch (exploration A/B runs set it).
-DEPENDENT_COMBINE = True
-
-
 @functools.cache
 def _dependent_launch_supported(device: torch.device) -> bool:
+    """sm_90+: the split combine's programs can start while the split kernel drains (griddepcontrol)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -182,9 +152,12 @@ class PagedPlan:
     q_tiles_per_seq: int
     gather: bool = False  # multi-token only: gather the context, then the dense varlen forward
     reason: str = ""
-    dependent_combine: bool = False  # the split combine by programmatic dependent launch (see DEPENDENT_COMBINE)
+    dependent_combine: bool = False  # the split combine by programmatic dependent launch (sm_90+)
+    backend: str = "triton"  # or "torch": the exact CPU path (`ioattn.ops.torch_paged`)
 
     def __str__(self) -> str:
+        if self.backend == "torch":
+            return f"torch: {torch_paged.DESCRIPTION}" + (f" ({self.reason})" if self.reason else "")
         if self.gather:
             return f"gather the paged context + dense varlen forward ({self.reason})"
         launch = (f"paged_attention_kernel BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
@@ -197,12 +170,18 @@ class PagedPlan:
 
 def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
                          config: PagedConfig | None = None, workspace: PagedWorkspace | None = None,
-                         window_left: int = -1, sink_tokens: int = 0, gather: bool | None = None) -> PagedPlan:
+                         window_left: int = -1, sink_tokens: int = 0, gather: bool | None = None,
+                         dependent_combine: bool | None = None, backend: str = "auto") -> PagedPlan:
     """Choose the path, tiles and split count for a call (pure host arithmetic on shapes); str() explains it.
 
     gather (multi-token queries): None decides by `choose_gather` (never with an explicit `config`, which is for
-    tuning the paged kernel), True / False force it."""
+    tuning the paged kernel), True / False force it. dependent_combine: None launches the split combine by
+    programmatic dependent launch where the device has it (sm_90+), False always in stream order (A/B runs)."""
     head_dim, group = q.shape[-1], q.shape[-2] // k_cache.shape[2]
+    backend, backend_why = resolve_backend(backend, q.device)
+    if backend == "torch":
+        return PagedPlan(config or default_config(head_dim, q.dtype, decode=decode), 1, 0, 0, 0, reason=backend_why,
+                         backend="torch")
     if not decode:
         if gather is None and config is None and num_splits <= 1:
             use, why = choose_gather(q.shape[0], block_table.shape[0], group, window_left, sink_tokens)
@@ -233,13 +212,13 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    dependent = num_splits > 1 and DEPENDENT_COMBINE and _dependent_launch_supported(q.device)
+    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent)
 
 
 def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True,
                   window_size=(-1, -1), sink_tokens=0, num_splits=0, workspace=None, config=None,
-                  gather=None) -> PagedPlan:
+                  gather=None, dependent_combine=None, backend="auto") -> PagedPlan:
     """The plan `paged_attention` would run with these arguments (nothing runs); str() says what and why.
     `ioattn.explain(q, k_cache, v_cache, block_table=..., seq_lens=..., ...)` lands here."""
     decode = cu_seqlens_q is None
@@ -248,7 +227,8 @@ def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=No
     left, _ = normalized_window(window_size, causal)
     return plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=1 if decode else max_seqlen_q,
                                 num_splits=num_splits, config=config, workspace=workspace, window_left=left,
-                                sink_tokens=sink_tokens, gather=gather)
+                                sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
+                                backend=backend)
 
 
 def paged_attention(
@@ -270,6 +250,8 @@ def paged_attention(
     workspace: PagedWorkspace | None = None,
     config: PagedConfig | None = None,
     gather: bool | None = None,
+    dependent_combine: bool | None = None,
+    backend: str = "auto",
     validate: bool | None = None,
 ):
     """Attention of new queries against a paged KV cache (split-KV / Flash-Decoding).
@@ -295,6 +277,9 @@ def paged_attention(
     [0, num_blocks), -1 only where the window and sinks hide it, 0 <= q_len <= seq_len <= the table's capacity);
     None does so for CPU tensors and, with IOATTN_VALIDATE=1, for CUDA ones (a host sync). Unchecked values are
     trusted: see `ioattn.ops.checks` for what each mode promises.
+    dependent_combine: None launches the split combine by programmatic dependent launch on sm_90+, False in stream
+    order. backend: "auto" (Triton on CUDA and under the CPU interpreter, else torch), "triton", or "torch" (the
+    exact CPU path: each sequence's keys gathered through its table; the tiling arguments do not apply).
     """
     decode = cu_seqlens_q is None
     check_tensor("q", q)
@@ -328,6 +313,8 @@ def paged_attention(
             f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic, 1 = no split), got {num_splits!r}")
     scale = softmax_scale_or_default(softmax_scale, head_dim)
     require(gather in (None, True, False), f"gather must be None, True or False, got {gather!r}")
+    require(dependent_combine in (None, True, False),
+            f"dependent_combine must be None, True or False, got {dependent_combine!r}")
     require(config is None or isinstance(config, PagedConfig), f"config must be a PagedConfig or None, got "
             f"{type(config).__name__}")
     require(workspace is None or isinstance(workspace, PagedWorkspace), "workspace must be a PagedWorkspace (see "
@@ -340,18 +327,22 @@ def paged_attention(
     if contents:
         check_table_contents(block_table, seq_lens, None if decode else cu_seqlens_q.diff(), k_cache.shape[0],
                              k_cache.shape[1], left, sink_tokens)
+    plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
+                                num_splits=num_splits, config=config, workspace=workspace, window_left=left,
+                                sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
+                                backend=backend)
+    if plan.backend == "torch":
+        return torch_paged.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, (left, right),
+                                           sink_tokens, scale, out, return_lse)
     if interpreter_upcast(q.dtype):  # the interpreter's bf16 dots are wrong: compute on float32 copies
         result = paged_attention(
             q.float(), k_cache.float(), v_cache.float(), block_table, seq_lens, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, causal=causal, window_size=window_size, sink_tokens=sink_tokens,
             softmax_scale=scale, num_splits=num_splits, return_lse=return_lse, workspace=workspace, config=config,
-            gather=gather, validate=False)
+            gather=gather, dependent_combine=dependent_combine, backend="triton", validate=False)
         result, lse = result if return_lse else (result, None)
         out = result.to(q.dtype) if out is None else out.copy_(result)
         return (out, lse) if return_lse else out
-    plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
-                                num_splits=num_splits, config=config, workspace=workspace, window_left=left,
-                                sink_tokens=sink_tokens, gather=gather)
     if plan.gather and num_tokens and batch:
         return _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
                                    (left, right), scale, out, return_lse)
@@ -407,29 +398,6 @@ def paged_attention(
     return out, lse if decode else lse.t()
 
 
-def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 cu_seqlens_k: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's first seq_lens[b] cached K/V, through its block table, packed at rows cu_seqlens_k[b]...
-    of two new (capacity, num_kv_heads, D) tensors (rows past the last sequence are left unwritten). A table
-    entry < 0 is never read; its positions come out as zeros."""
-    batch, width = block_table.shape
-    page, kv_heads, head_dim = k_cache.shape[1:]
-    k_out = torch.empty(capacity, kv_heads, head_dim, dtype=k_cache.dtype, device=k_cache.device)
-    v_out = torch.empty_like(k_out)
-    block_d = next_power_of_2(head_dim)
-    block_t = 32
-    block_h = max(1, min(next_power_of_2(kv_heads), 4096 // (block_t * block_d)))
-    if capacity == 0 or width == 0 or batch == 0:
-        return k_out, v_out
-    gather_cache_kernel[(cdiv(width * page, block_t), batch)](
-        k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, k_out, v_out,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), k_out.stride(0), k_out.stride(1), kv_heads,
-        HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, PAGE=page,
-    )
-    return k_out, v_out
-
-
 def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, window, scale,
                         out, return_lse):
     """The gather path of a multi-token call: packed context, then the dense varlen forward (bottom-right
@@ -482,78 +450,3 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
     )
     return out, lse
-
-
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
-    """Write new tokens' key/value (tokens, num_kv_heads, D) into their cache slots; slot -1 is skipped (padding).
-
-    Values are cast to the cache's dtype. slot_mapping: (tokens,) int32 or int64, slot = block_id * block_size +
-    offset, each in [-1, num_blocks * block_size) and distinct (two tokens writing one slot is a race): checked
-    when `validate` is True, or None for CPU tensors or with IOATTN_VALIDATE=1, else trusted.
-    """
-    check_cache_pair(k_cache, v_cache)
-    check_tensor("key", key)
-    check_tensor("value", value)
-    expected = (key.shape[0], k_cache.shape[2], k_cache.shape[3]) if key.dim() == 3 else "(tokens, heads, head_dim)"
-    require(key.shape == value.shape == expected,
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (tokens, num_kv_heads, head_dim) = {expected}")
-    require(key.dtype in SUPPORTED_DTYPES and value.dtype in SUPPORTED_DTYPES,
-            f"key/value dtype must be one of {SUPPORTED_DTYPES}, got {key.dtype}, {value.dtype}")
-    require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
-    require(key.device == value.device == k_cache.device, f"key ({key.device}), value ({value.device}) and the "
-            f"caches ({k_cache.device}) must be on one device")
-    check_int_vector("slot_mapping", slot_mapping, key.shape[0], key.device, (torch.int32, torch.int64))
-    if checks_contents(validate, key.device):
-        check_slot_contents(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
-    tokens, kv_heads, head_dim = key.shape
-    if tokens == 0:
-        return
-    block_h = min(next_power_of_2(kv_heads), 16)
-    reshape_and_cache_kernel[(tokens, cdiv(kv_heads, block_h))](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        kv_heads, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=next_power_of_2(head_dim), PAGE=k_cache.shape[1],
-    )
-
-
-def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor, *,
-                validate: bool | None = None) -> None:
-    """Copy-on-write: for every layer's caches, block dst <- block src for each [src, dst] row of block_mapping.
-
-    block_mapping: int64 (pairs, 2) on the caches' device, blocks in [0, num_blocks), destinations distinct
-    (checked as `validate` says, see reshape_and_cache). All sources are read before any destination is
-    written. Two gathers per layer (torch index ops): copies are rare and small, a dedicated kernel would not pay.
-    """
-    require(isinstance(k_caches, (list, tuple)) and isinstance(v_caches, (list, tuple)) and len(k_caches) == len(v_caches),
-            "k_caches and v_caches must be lists of one cache per layer, of equal length")
-    caches = (*k_caches, *v_caches)
-    for i, cache in enumerate(caches):
-        check_tensor(f"cache {i}", cache)
-        require(cache.dim() >= 1 and cache.shape[0] == caches[0].shape[0] and cache.device == caches[0].device,
-                "every cache of copy_blocks must hold the same number of blocks on one device")
-    if not caches:
-        return
-    check_block_mapping(block_mapping, caches[0].device, caches[0].shape[0], caches[0].shape[0],
-                        checks_contents(validate, caches[0].device))
-    src, dst = block_mapping[:, 0], block_mapping[:, 1]
-    for cache in caches:
-        cache.index_copy_(0, dst, cache.index_select(0, src))
-
-
-def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy blocks between two pools (GPU <-> pinned CPU, or GPU <-> GPU): dst[d] <- src[s] per row [s, d].
-
-    One cache tensor per call (call it for each layer's K and V). block_mapping: int64 (pairs, 2) on the CPU
-    (it is read on the host, no device sync, so its blocks are always checked against both pools). Copies are
-    asynchronous on the current stream when the CPU side is pinned: synchronise that stream before reading a CPU
-    destination or reusing a CPU source.
-    """
-    check_tensor("src", src)
-    check_tensor("dst", dst)
-    require(src.dim() >= 1 and src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype,
-            f"src {src.dtype} {tuple(src.shape)} and dst {dst.dtype} {tuple(dst.shape)} must share block shape and dtype")
-    check_block_mapping(block_mapping, torch.device("cpu"), src.shape[0], dst.shape[0], contents=True)
-    for s, d in block_mapping.tolist():
-        dst[d].copy_(src[s], non_blocking=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ioattn.kernels.prefill_bwd import check_bwd_args, fold_causal
+from ioattn.ops.backward import check_bwd_args, fold_causal
 
 BLOCK = 128
 

@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ioattn.ops.paged import gather_cache, merge_states, paged_attention, reshape_and_cache
+from ioattn.ops.cache import gather_cache, reshape_and_cache
+from ioattn.ops.paged import merge_states, paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis tests cannot take function-scoped fixtures

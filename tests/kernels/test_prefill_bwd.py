@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_grad_ref import make_problem, reference_grads
-from ioattn.kernels.prefill_bwd import (
+from ioattn.ops.backward import (
     BwdConfig,
     attention_bwd,
     candidate_configs,

@@ -14,8 +14,8 @@ import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ioattn.kernels.prefill_fwd import FwdConfig, FwdProblem, launch_prefill_fwd
-from ioattn.ops.dispatch import HOPPER_SHARED_MEMORY, candidate_configs, shared_memory_estimate
+from ioattn.ops.forward import FwdConfig, FwdProblem, launch_prefill_fwd
+from ioattn.ops.forward import HOPPER_SHARED_MEMORY, candidate_configs, shared_memory_estimate
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 SMALL = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -179,7 +179,8 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ioattn.kernels.prefill_fwd import head_dim_padded, prefill_fwd_kernel as kernel
+from ioattn.kernels.prefill_fwd import prefill_fwd_kernel as kernel
+from ioattn.ops.forward import head_dim_padded
 
 def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask_kind, pack_gqa, group, varlen, tma):
     names = kernel.arg_names

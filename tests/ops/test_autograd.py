@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import ioattn
 from attention_grad_ref import attention_grads_ref
-from ioattn.ops import dispatch
+from ioattn.ops import backward
+from ioattn.ops.capability import HOPPER
 from ioattn.reference import TOLERANCE, rel_error
 
 BACKENDS = ["torch", "triton"]
@@ -244,7 +245,7 @@ def test_plan_names_the_backward():
 
 def test_hopper_backward_table_covers_every_head_dim():
     for head_dim in (8, 16, 24, 32, 64, 72, 128, 256):
-        config, source = dispatch.tuned_bwd_config(head_dim, torch.bfloat16, dispatch.HOPPER)
+        config, source = backward.tuned_bwd_config(head_dim, torch.bfloat16, HOPPER)
         assert "table sm90" in source and config.kv_block_n >= 64
 
 

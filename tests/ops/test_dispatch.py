@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import ioattn
-from ioattn.kernels.prefill_fwd import FwdConfig
-from ioattn.ops import checks, dispatch
+from ioattn.ops import checks, dispatch, forward
+from ioattn.ops.capability import HOPPER
+from ioattn.ops.forward import FwdConfig
 
 
 def qkv(n_q=8, n_k=8, h_q=2, h_kv=2, d=16, dtype=torch.float32):
@@ -84,10 +85,10 @@ def test_gqa_packing_only_for_short_queries_and_power_of_two_groups(n_q, h_q, h_
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
 def test_table_covers_every_head_dim(d, dtype, causal):
-    config, source = dispatch.tuned_config(d, dtype, causal, dispatch.HOPPER)
+    config, source = forward.tuned_config(d, dtype, causal, HOPPER)
     assert isinstance(config, FwdConfig)
     assert ("tuned table sm90" in source) == (dtype != torch.float32)
-    config, source = dispatch.tuned_config(d, dtype, causal, (8, 0))
+    config, source = forward.tuned_config(d, dtype, causal, (8, 0))
     assert "default rule" in source
 
 
@@ -132,27 +133,27 @@ def test_gpu_auto_is_triton_with_the_table():
 def test_dense_mask_drops_stages_to_fit_shared_memory():
     q, k, v = (torch.randn(1, 4, 8, 64) for _ in range(3))
     inputs = checks.validate_sdpa(q, k, v, torch.zeros(8, 8), False, None, False)
-    fitted, note = dispatch._fit_shared_memory(FwdConfig(128, 128, 4, 3), inputs)
+    fitted, note = forward.fit_shared_memory(FwdConfig(128, 128, 4, 3), inputs)
     assert fitted == FwdConfig(128, 128, 4, 2) and "num_stages 3 -> 2" in note
-    assert dispatch.shared_memory_estimate(fitted, 64, torch.float32, torch.float32) > 0
+    assert forward.shared_memory_estimate(fitted, 64, torch.float32, torch.float32) > 0
     unmasked = checks.validate_sdpa(q, k, v, None, False, None, False)
-    assert dispatch._fit_shared_memory(FwdConfig(128, 128, 4, 3), unmasked) == (FwdConfig(128, 128, 4, 3), "")
+    assert forward.fit_shared_memory(FwdConfig(128, 128, 4, 3), unmasked) == (FwdConfig(128, 128, 4, 3), "")
 
 
 def test_short_causal_queries_get_their_own_tiles():
-    long_config, _ = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, 16384)
-    short_config, source = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, dispatch.SHORT_SEQLEN)
-    assert short_config != long_config and f"Nq <= {dispatch.SHORT_SEQLEN}" in source
-    assert dispatch.tuned_config(128, torch.bfloat16, True, dispatch.HOPPER, 512)[0] == \
-        dispatch.tuned_config(128, torch.bfloat16, True, dispatch.HOPPER, 16384)[0]
+    long_config, _ = forward.tuned_config(64, torch.bfloat16, True, HOPPER, 16384)
+    short_config, source = forward.tuned_config(64, torch.bfloat16, True, HOPPER, forward.SHORT_SEQLEN)
+    assert short_config != long_config and f"Nq <= {forward.SHORT_SEQLEN}" in source
+    assert forward.tuned_config(128, torch.bfloat16, True, HOPPER, 512)[0] == \
+        forward.tuned_config(128, torch.bfloat16, True, HOPPER, 16384)[0]
 
 
 def test_short_queries_at_d64_get_their_own_loads_and_register_caps():
     """At D=64 and Nq <= 2048 the H200 table caps registers (one more resident program per SM) and causal tiles
     use pointer loads; explain() shows both."""
-    short, _ = dispatch.tuned_config(64, torch.bfloat16, False, dispatch.HOPPER, dispatch.SHORT_SEQLEN)
-    short_causal, _ = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, dispatch.SHORT_SEQLEN)
-    long, _ = dispatch.tuned_config(64, torch.bfloat16, True, dispatch.HOPPER, 4 * dispatch.SHORT_SEQLEN)
+    short, _ = forward.tuned_config(64, torch.bfloat16, False, HOPPER, forward.SHORT_SEQLEN)
+    short_causal, _ = forward.tuned_config(64, torch.bfloat16, True, HOPPER, forward.SHORT_SEQLEN)
+    long, _ = forward.tuned_config(64, torch.bfloat16, True, HOPPER, 4 * forward.SHORT_SEQLEN)
     assert short.tma and not short_causal.tma and long.tma
     assert "maxnreg=168" in str(short) and "loads=pointers maxnreg=128" in str(short_causal)
     assert "loads=pointers" not in str(long) and "maxnreg" not in str(long)

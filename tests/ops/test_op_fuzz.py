@@ -166,8 +166,8 @@ def paged_cases(draw):
         window=st.sampled_from([(-1, -1), (5, -1), (0, -1), (3, 0)]), sinks=st.sampled_from([0, 2]),
         splits=st.sampled_from([0, 1, 3, 64]), gather=st.sampled_from([None, False] + ([True] if not decode else [])),
         table=st.just("ok"), lens=st.just("ok"), cu_q=st.just("ok"),
-        extra_query=st.just(False),
-    ), dict(dtype=BAD_DTYPES, page=st.sampled_from([3, 512]), splits=st.sampled_from([-1, 65, 1.0]),
+        extra_query=st.just(False), backend=BACKENDS,
+    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, page=st.sampled_from([3, 512]), splits=st.sampled_from([-1, 65, 1.0]),
             sinks=st.sampled_from([-1, 2**40]), table=st.sampled_from(["oob", "num_blocks", "negative", "evicted", "transposed"]),
             lens=st.sampled_from(["past_capacity", "negative"]), window=BAD_WINDOWS,
             gather=st.sampled_from(["yes"]), extra_query=st.just(not decode),
@@ -182,8 +182,8 @@ def cache_write_cases(draw):
     case = knobs(draw, dict(
         seed=SEEDS, dtype=DTYPES, page=st.sampled_from([1, 4, 16]), Hkv=st.sampled_from([1, 3]),
         D=st.sampled_from([16, 24]), tokens=st.integers(0, 4), slots=st.sampled_from(["ok", "padding"]),
-        slot_dtype=st.sampled_from(["int64", "int32"]),
-    ), dict(dtype=BAD_DTYPES, slots=st.sampled_from(["oob", "huge", "below_padding", "duplicate"]),
+        slot_dtype=st.sampled_from(["int64", "int32"]), backend=BACKENDS,
+    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, slots=st.sampled_from(["oob", "huge", "below_padding", "duplicate"]),
             slot_dtype=st.sampled_from(["float32"])))
     return dict(op="reshape_and_cache", **case)
 

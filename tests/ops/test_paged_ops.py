@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ioattn
-from ioattn.ops import paged
+from ioattn.ops import cache, paged
 from ioattn.ops.paged import (
     GATHER_MIN_GROUP_ROWS, MAX_SPLITS, PagedConfig, candidate_configs, choose_gather, choose_num_splits,
     paged_attention, paged_workspace, plan_paged_attention,
@@ -37,8 +37,9 @@ def small_case(device, seq_lens=(9, 4), dtype=torch.float32, num_blocks=8):
 
 
 def test_public_api_is_exported():
-    for name in ("paged_attention", "reshape_and_cache", "merge_states", "copy_blocks", "swap_blocks"):
-        assert getattr(ioattn, name) is getattr(paged, name)
+    for name, module in (("paged_attention", paged), ("reshape_and_cache", cache), ("merge_states", paged),
+                         ("copy_blocks", cache), ("swap_blocks", cache)):
+        assert getattr(ioattn, name) is getattr(module, name)
 
 
 def test_decode_with_reused_poisoned_workspace_and_out(device):
@@ -224,20 +225,19 @@ def test_split_combine_launch_is_explained(device):
 
 
 @pytest.mark.gpu
-def test_dependent_combine_equals_the_ordered_launch_in_and_out_of_graphs(monkeypatch):
+def test_dependent_combine_equals_the_ordered_launch_in_and_out_of_graphs():
     # The combine waits on the split kernel through griddepcontrol instead of stream order: same bits, eagerly
     # and replayed from a CUDA graph, with the partial scratch reused (poisoned) between calls.
     args, ref_out, ref_lse = small_case("cuda", seq_lens=(250, 4), num_blocks=128)
     workspace = paged_workspace(2, HEADS, HEAD_DIM, max_splits=16, device="cuda")
     results = []
     for dependent in (True, False):
-        monkeypatch.setattr(paged, "DEPENDENT_COMBINE", dependent)
         workspace.partial_out.fill_(float("nan"))
         out = torch.full_like(args[0], float("nan"))
-        eager = paged_attention(*args, num_splits=16, workspace=workspace, return_lse=True)
+        eager = paged_attention(*args, num_splits=16, workspace=workspace, return_lse=True, dependent_combine=dependent)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            paged_attention(*args, num_splits=16, workspace=workspace, out=out)
+            paged_attention(*args, num_splits=16, workspace=workspace, out=out, dependent_combine=dependent)
         workspace.partial_out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -261,3 +261,28 @@ def test_heuristic_splits_run_exactly_within_the_workspace(device, monkeypatch):
         out, lse = paged_attention(*args, workspace=scratch, return_lse=True)
         assert rel_error(out, ref_out) < TOLERANCE[torch.float32]
         assert lse_error(lse, ref_lse) < 1e-5
+
+
+TORCH_BACKEND_CASES = [  # decode / multi-token, windows, sinks and an evicted block, GQA, page sizes, empty rows
+    dict(seq_lens=[9, 0, 30], q_lens=None, page=4, group=2, window=[-1, -1], sinks=0, table="ok"),
+    dict(seq_lens=[9, 30], q_lens=[3, 30], page=1, group=4, window=[-1, -1], sinks=0, table="ok"),
+    dict(seq_lens=[40, 17], q_lens=[5, 0], page=16, group=1, window=[5, -1], sinks=2, table="ok"),
+    dict(seq_lens=[40], q_lens=None, page=4, group=2, window=[8, -1], sinks=0, table="evicted"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(TORCH_BACKEND_CASES)))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_backend_equals_the_reference(index, dtype):
+    """The exact CPU backend (keys gathered per sequence, SDPA or the tiled forward for LSE) against float64."""
+    from op_fuzz_worker import run
+
+    case = dict(op="paged_attention", seed=index, dtype=dtype, batch=len(TORCH_BACKEND_CASES[index]["seq_lens"]),
+                Hkv=2, D=32, splits=0, gather=None, lens="ok", cu_q="ok", backend="torch", device="cpu",
+                **TORCH_BACKEND_CASES[index])
+    result = run(case)
+    assert result["outcome"] == "ok", result["detail"]
+    args, ref_out, ref_lse = small_case("cpu", seq_lens=(9, 4), dtype=torch.float32)
+    out, lse = paged_attention(*args, backend="torch", return_lse=True)
+    assert rel_error(out, ref_out) < TOLERANCE[torch.float32] and lse_error(lse, ref_lse) < 1e-5
+    assert "torch" in str(ioattn.explain(*args[:3], block_table=args[3], seq_lens=args[4], backend="torch"))

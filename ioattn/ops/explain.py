@@ -1,0 +1,50 @@
+"""`ioattn.explain(...)`: the plan a call would run, for every attention entry point, without running anything."""
+
+from __future__ import annotations
+
+from ioattn.ops import checks
+from ioattn.ops.dispatch import Plan, plan
+from ioattn.ops.paged import PagedPlan, explain_paged
+
+
+def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs) -> Plan | PagedPlan:
+    """The plan a call with these arguments would run (nothing runs). str() of the result reads well.
+
+    `api` is "flash_attn" (q/k/v (B, N, H, D); kwargs of flash_attn_func), "varlen" (packed; kwargs of
+    flash_attn_varlen_func), "sdpa" ((B, H, N, D); kwargs of sdpa) or "paged" (k, v are the caches; kwargs of
+    paged_attention: block_table, seq_lens, ...; returns the `PagedPlan`). When omitted it is inferred: paged when
+    block_table is given, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale /
+    enable_gqa is given.
+    """
+    if api is None and "block_table" in kwargs:
+        api = "paged"
+    if api == "paged":
+        missing = [name for name in ("block_table", "seq_lens") if name not in kwargs]
+        if missing:
+            raise ValueError(f"api='paged' needs {' and '.join(missing)} (the arguments of paged_attention)")
+        return explain_paged(q, k, v, backend=backend, **kwargs)
+    if api is None:
+        if "cu_seqlens_q" in kwargs:
+            api = "varlen"
+        elif {"attn_mask", "is_causal", "scale", "enable_gqa"} & kwargs.keys():
+            api = "sdpa"
+        else:
+            api = "flash_attn"
+    kwargs.pop("return_lse", None)
+    deterministic = kwargs.pop("deterministic", None) if api in ("flash_attn", "varlen") else None
+    if api == "flash_attn":
+        inputs = checks.validate_dense(q, k, v, kwargs.pop("causal", False), kwargs.pop("window_size", (-1, -1)),
+                                       kwargs.pop("softmax_scale", None))
+    elif api == "varlen":
+        inputs = checks.validate_varlen(
+            q, k, v, kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_k", None),
+            kwargs.pop("max_seqlen_q", None), kwargs.pop("max_seqlen_k", None), kwargs.pop("causal", False),
+            kwargs.pop("window_size", (-1, -1)), kwargs.pop("softmax_scale", None), kwargs.pop("validate", None))
+    elif api == "sdpa":
+        inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
+                                      kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))
+    else:
+        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged' (or None to infer), got {api!r}")
+    if kwargs:
+        raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
+    return plan(inputs, backend, deterministic=deterministic)
