@@ -251,7 +251,7 @@ class ModelRunner:
             return
         mapping = to_device(copies, torch.int64, self.device)
         if self.use_triton:
-            from ioattn.ops.paged import copy_blocks
+            from ioattn.ops.cache import copy_blocks
 
             copy_blocks(self.k_caches, self.v_caches, mapping)
             return
@@ -268,7 +268,7 @@ class ModelRunner:
             for device_cache, cpu_cache in pairs:
                 src, dst = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
                 if self.use_triton:
-                    from ioattn.ops.paged import swap_blocks
+                    from ioattn.ops.cache import swap_blocks
 
                     swap_blocks(src, dst, mapping)
                 else:
@@ -350,7 +350,8 @@ class ModelRunner:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         window = ctx.window_sizes[layer_idx]
         if self.use_triton:
-            from ioattn.ops.paged import paged_attention, reshape_and_cache
+            from ioattn.ops.cache import reshape_and_cache
+            from ioattn.ops.paged import paged_attention
 
             reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
             n = ctx.decode_rows
