@@ -24,7 +24,8 @@ def test_generate_greedy_n2_prints_each_completion_with_timings(capsys):
 
 
 def test_generate_json_greedy_samples_agree_and_match_a_single_run(capsys):
-    argv = ["generate", "--model", "tiny", "--prompt", "abc", "--temperature", "0", "--max-tokens", "6", "--logprobs", "2", "--json"]
+    argv = ["generate", "--model", "tiny", "--prompt", "abc", "--temperature", "0", "--max-tokens", "6",
+            "--logprobs", "2", "--json"]
     assert main(argv + ["--n", "2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     (result,) = doc["results"]
@@ -41,15 +42,16 @@ def test_generate_json_greedy_samples_agree_and_match_a_single_run(capsys):
 def test_generate_beam_search_and_prompts_file(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
-    assert main(["generate", "--model", "tiny", "--prompts-file", str(prompts), "--beam-width", "2", "--max-tokens", "3", "--json"]) == 0
+    assert main(["generate", "--model", "tiny", "--prompts-file", str(prompts), "--beam-width", "2",
+                 "--max-tokens", "3", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["prompt"] for r in results] == ["first prompt", "second prompt"]
     assert all(len(r["completions"]) == 2 for r in results)
 
 
 def test_generate_a_refused_prompt_fails_alone_with_exit_1(capsys):
-    status = main(["generate", "--model", "tiny", "--max-model-len", "8", "--prompt", "a prompt past eight tokens", "--prompt", "hi",
-                   "--temperature", "0", "--max-tokens", "3"])
+    status = main(["generate", "--model", "tiny", "--max-model-len", "8", "--prompt", "a prompt past eight tokens",
+                   "--prompt", "hi", "--temperature", "0", "--max-tokens", "3"])
     stdout = capsys.readouterr().out
     assert status == 1
     assert "error: prompt is 27 tokens, longer than max_model_len (8)" in stdout

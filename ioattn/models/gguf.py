@@ -97,7 +97,8 @@ class GGUFFile:
         with open(self.path, "rb") as f:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
-            raise GGUFError(f"{self.path} is not a GGUF file: it starts with {magic!r}, a GGUF file with {GGUF_MAGIC!r}")
+            raise GGUFError(f"{self.path} is not a GGUF file: it starts with {magic!r}, a GGUF file with "
+                            f"{GGUF_MAGIC!r}")
         try:
             self._reader = gguf.GGUFReader(self.path)
         except Exception as error:  # the reader fails on short reads with whatever numpy raises

@@ -111,7 +111,8 @@ def folder_chat_template(path: str | os.PathLike) -> ChatTemplateSource | None:
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     if not template:
         return None
-    return ChatTemplateSource(template, _special_token(config.get("bos_token")), _special_token(config.get("eos_token")))
+    bos, eos = (_special_token(config.get(key)) for key in ("bos_token", "eos_token"))
+    return ChatTemplateSource(template, bos, eos)
 
 
 def _special_token(value) -> str:

@@ -66,7 +66,8 @@ class ChatTemplate:
 
     def token_ids(self, tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The rendered prompt encoded as this template needs (special tokens added only by the plain one)."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=self.add_special_tokens)
+        text = self.render(messages, add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         messages = [{**message, "content": _text_content(i, message.get("content"))}

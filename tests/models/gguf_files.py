@@ -12,7 +12,8 @@ CONTEXT = 512
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "Ġ")]
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                 "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+                 "'<|im_end|>\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # Where each K-quant block keeps its float16 scales (d, then dmin where it has one), as ggml lays blocks out.
 K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}

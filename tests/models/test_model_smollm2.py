@@ -57,13 +57,17 @@ def hf_tokenizer(hf_files):
 
 
 def dense_logits(model, ids):
-    """Logits of one sequence with no KV cache; an engine built on the same model swaps its own attention in."""
-    engine_attention, model.attention = model.attention, dense_causal_attention
+    """Logits of one sequence with no KV cache."""
+    ctx = DenseCausalAttention.build([len(ids)], model.config, "cpu", backend="torch")
+    # A model that keeps an attention callable of its own has the engine's once an engine was built on it.
+    engine_attention = getattr(model, "attention", None)
+    if engine_attention is not None:
+        model.attention = dense_causal_attention
     try:
-        ctx = DenseCausalAttention.build([len(ids)], model.config, "cpu", backend="torch")
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), ctx))
     finally:
-        model.attention = engine_attention
+        if engine_attention is not None:
+            model.attention = engine_attention
 
 
 def chat_messages(question, system=SYSTEM):
