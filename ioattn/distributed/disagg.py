@@ -84,9 +84,7 @@ def _ship(engine: LLMEngine, conn, ticket: int, token_ids: list[int]) -> None:
     if not exported:
         return
     blocks, digests = zip(*exported)
-    index = torch.tensor(blocks, dtype=torch.int64, device=engine.runner.device)
-    kv = torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)))
-                      for k, v in zip(engine.runner.k_caches, engine.runner.v_caches)])
+    kv = engine.attention.read_blocks(list(blocks))
     dist.send(torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).to(kv.device), dst=DECODE_RANK)
     dist.send(kv.contiguous(), dst=DECODE_RANK)
 
@@ -187,7 +185,7 @@ class DisaggregatedEngine(LLMEngine):
             device = self.runner.device
             digests = torch.empty(num_blocks, DIGEST_SIZE, dtype=torch.uint8, device=device)
             dist.recv(digests, src=PREFILL_RANK)
-            shape = (self.runner.config.num_layers, 2, num_blocks, *self.runner.k_caches[0].shape[1:])
+            shape = (self.runner.config.num_layers, 2, num_blocks, *self.attention.k_caches[0].shape[1:])
             kv = torch.empty(shape, dtype=self.runner.dtype, device=device)
             dist.recv(kv, src=PREFILL_RANK)
             self._import_blocks(args["prompt_token_ids"], [bytes(row) for row in digests.tolist()], kv)
@@ -212,10 +210,7 @@ class DisaggregatedEngine(LLMEngine):
         if not writes:
             return  # None: no room now, decode recomputes the prompt; []: every block is cached here already
         shipped = torch.tensor([i for i, _ in writes], dtype=torch.int64, device=kv.device)
-        blocks = torch.tensor([block for _, block in writes], dtype=torch.int64, device=kv.device)
-        for layer, (k_cache, v_cache) in enumerate(zip(self.runner.k_caches, self.runner.v_caches)):
-            k_cache.index_copy_(0, blocks, kv[layer, 0].index_select(0, shipped))
-            v_cache.index_copy_(0, blocks, kv[layer, 1].index_select(0, shipped))
+        self.attention.write_blocks([block for _, block in writes], kv.index_select(2, shipped))
         self.shipped_blocks += len(writes)
 
     # -- lifecycle ---------------------------------------------------------------------------------------

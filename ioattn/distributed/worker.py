@@ -32,6 +32,7 @@ from ioattn.distributed.parallel_state import (
 )
 from ioattn.distributed.tp import load_tensor_parallel
 from ioattn.engine.llm_engine import CPU_KV_CACHE_BYTES, EngineConfig, LLMEngine
+from ioattn.engine.attention import PagedAttention
 from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.models.loader import LoadedModel
 
@@ -54,9 +55,7 @@ class StepPlan:
 
 
 def run_plan(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:
-    runner.swap(plan.swap_out, plan.swap_in)
-    runner.copy_blocks(plan.copies)
-    return runner.execute(plan.batch)
+    return runner.run(plan.swap_out, plan.swap_in, plan.copies, plan.batch)
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int
     least that each rank's profile leaves room for. On CUDA every rank must call it (it runs collectives)."""
     if config.num_blocks:
         return config.num_blocks
-    block_bytes = ModelRunner.block_bytes(loaded.config, config.block_size, loaded.model.model.norm.weight.dtype)
+    block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, loaded.model.model.norm.weight.dtype)
     if loaded.model.inv_freq.device.type != "cuda":
         return max(CPU_KV_CACHE_BYTES // block_bytes, -(-max_model_len // config.block_size))
     least = 2048 if config.enable_chunked_prefill else max_model_len
@@ -94,7 +93,10 @@ def _worker_main(rank: int, world_size: int, port: int, spec: WorkerSpec) -> Non
         loaded = load_tensor_parallel(spec.model, rank, world_size, spec.config.dtype, state.device)
         max_model_len = spec.config.max_model_len or loaded.max_model_len
         kv_pool_blocks(loaded, spec.config, max_model_len)
-        runner = ModelRunner(loaded.model, **broadcast_object())
+        shape = broadcast_object()
+        attention = PagedAttention(loaded.config, device=state.device, dtype=loaded.model.model.norm.weight.dtype,
+                                   **shape["attention"])
+        runner = ModelRunner(loaded.model, attention, **shape["runner"])
         while (plan := broadcast_object()) is not None:
             run_plan(runner, plan)
     finally:
@@ -146,10 +148,10 @@ class TensorParallelEngine(LLMEngine):
             super().__init__(loaded, dataclasses.replace(config, num_blocks=num_blocks, enforce_eager=True,
                                                          async_scheduling=False, device=state.device))
             self._guarded(broadcast_object, dict(
-                num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
-                num_cpu_blocks=self.kv.cpu.num_blocks, max_num_seqs=config.max_num_seqs, use_cuda_graphs=False,
-                attention_backend=config.attention_backend,
-                max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+                attention=dict(num_blocks=num_blocks, block_size=config.block_size, num_cpu_blocks=self.kv.cpu.num_blocks,
+                               max_num_seqs=config.max_num_seqs, backend=config.attention_backend),
+                runner=dict(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs, use_cuda_graphs=False,
+                            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens),
             ))
             self.runner = DriverRunner(self.runner, self)
             self._serving = True
@@ -212,23 +214,15 @@ class TensorParallelEngine(LLMEngine):
 
 
 class DriverRunner:
-    """Rank 0's runner: collects the step's memory plans, broadcasts the plan, then runs its own shard."""
+    """Rank 0's runner: broadcasts each step plan to the workers, then runs its own shard."""
 
     def __init__(self, runner: ModelRunner, engine: TensorParallelEngine):
         self.runner, self.engine = runner, engine
         self.device = runner.device
-        self._swap_out, self._swap_in, self._copies = [], [], []
 
-    def swap(self, swap_out, swap_in) -> None:
-        self._swap_out, self._swap_in = list(swap_out), list(swap_in)
-
-    def copy_blocks(self, copies) -> None:
-        self._copies = list(copies)
-
-    def execute(self, batch: Batch, feed=None) -> torch.Tensor:
+    def run(self, swap_out, swap_in, copies, batch: Batch, feed=None) -> torch.Tensor:
         # The workers get host token ids only; the engine never schedules asynchronously over them.
         assert feed is None, "tensor-parallel steps have no token feed"
-        plan = StepPlan(self._swap_out, self._swap_in, self._copies, batch)
-        self._swap_out, self._swap_in, self._copies = [], [], []
+        plan = StepPlan(list(swap_out), list(swap_in), list(copies), batch)
         self.engine._guarded(broadcast_object, plan)
         return self.engine._guarded(run_plan, self.runner, plan)

@@ -55,6 +55,7 @@ import torch
 
 from ioattn.engine.async_step import LaunchedStep
 from ioattn.engine.outputs import Request, request_output
+from ioattn.engine.attention import PagedAttention
 from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.engine.sampling import (BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker,
                                     is_int, as_real)
@@ -146,7 +147,7 @@ class LLMEngine:
         )
         device = self.model.inv_freq.device
         dtype = self.model.model.embed_tokens.weight.dtype
-        block_bytes = ModelRunner.block_bytes(loaded.config, config.block_size, dtype)
+        block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, dtype)
         num_blocks = config.num_blocks or self._default_num_blocks(device, block_bytes, batched)
         num_cpu_blocks = int(config.swap_space * GiB) // block_bytes if config.preemption_mode == "swap" else 0
         if config.preemption_mode == "swap" and num_cpu_blocks == 0:
@@ -162,10 +163,13 @@ class LLMEngine:
                 f"({config.block_size}) must hold one max_model_len ({self.max_model_len}) sequence"
             )
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.attention = PagedAttention(
+            loaded.config, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=device,
+            num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs, backend=config.attention_backend,
+        )
         self.runner = ModelRunner(
-            self.model, num_blocks=num_blocks, block_size=config.block_size, max_model_len=self.max_model_len,
-            num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs, use_cuda_graphs=not config.enforce_eager,
-            attention_backend=config.attention_backend, max_num_batched_tokens=batched,
+            self.model, self.attention, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            use_cuda_graphs=not config.enforce_eager, max_num_batched_tokens=batched,
         )
         self.sampler = Sampler(self.eos_token_ids)
         self.async_scheduling = config.async_scheduling is not False
@@ -368,10 +372,8 @@ class LLMEngine:
         """Queue the plan's copies, the forward pass and the sampling; fork prompts with n > 1 and give every
         sampled token a placeholder. Nothing here waits for the device."""
         now = time.monotonic()
-        self.runner.swap(plan.swap_out, plan.swap_in)
-        self.runner.copy_blocks(plan.copies)
         feed = self._in_flight.feed(plan.chunks) if self._in_flight is not None else None
-        logits = self.runner.execute(self._batch(plan.chunks), feed)
+        logits = self.runner.run(plan.swap_out, plan.swap_in, plan.copies, self._batch(plan.chunks), feed)
         self.num_steps += 1
         for chunk in plan.chunks:
             self.scheduler.advance(chunk)

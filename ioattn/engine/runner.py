@@ -1,19 +1,14 @@
-"""Model runner: owns the paged KV cache tensors and runs one flat, packed batch per step.
+"""Model runner: stages one flat, packed batch per step, runs the model on it and replays CUDA graphs.
 
 A `Batch` holds one entry per scheduled chunk — prefill chunks and decode tokens alike — column by column, built
 by the engine from the scheduler's chunks and the KV manager's block tables. The runner lays their tokens out as
 one `(T,)` vector with positions and cache slots (slot = table[position // block_size] * block_size + offset,
-computed for the whole batch at once), and hands the model a `PagedContext`; the model's attention callable
-then writes each layer's new K/V into its cache slots and attends over the sequence's blocks:
+computed for the whole batch at once), asks the engine's `PagedAttention` (`ioattn.engine.attention`) for the
+step's attention context, and runs the model, whose layers call it. Decode-only batches on CUDA replay graphs
+captured per batch size (rows padded to the captured size: slot -1 is not written, seq_len 0 reads nothing).
 
-- CUDA: `reshape_and_cache` + `paged_attention` (the Triton kernels), and decode-only batches replay CUDA
-  graphs captured per batch size (rows padded to the captured size: slot -1 is not written, seq_len 0 reads
-  nothing);
-- CPU: the exact torch path — K/V written with `index_copy_`, each sequence's keys gathered through its block
-  table and attended with PyTorch SDPA under the same bottom-right causal (and sliding-window) mask.
-
-Copy-on-write and swap plans run before the forward pass, swap-outs first (a block a swap-out empties may be
-refilled by a swap-in of the same step).
+`run` executes a whole step plan: the attention seam's swaps (swap-outs first: a block a swap-out empties may be
+refilled by a swap-in of the same step) and copy-on-write copies, then the forward pass.
 
 The step's inputs are written into persistent host buffers (`HostStaging`, pinned on CUDA) and copied to the
 device asynchronously: building a step costs the host no allocation and never waits for the GPU. Input tokens
@@ -23,24 +18,17 @@ with a `TokenFeed` and are copied into the step's input ids on the device, after
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ioattn.engine.transfer import to_device
+from ioattn.engine.attention import PagedAttention
 from ioattn.intmath import cdiv
-from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM, dense_causal_attention
+from ioattn.models.llama import DenseCausalAttention, LlamaForCausalLM
 
 # Decode batch sizes captured as CUDA graphs (up to max_num_seqs): small ones exactly, then multiples of 8.
 GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 513, 8))
-ATTENTION_BACKENDS = ("auto", "triton", "torch")
-
-
-def _copy_block_rows(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
-    """dst[d] <- src[s] for each [s, d] row; the torch path's copies (it must not import Triton)."""
-    dst.index_copy_(0, mapping[:, 1], src.index_select(0, mapping[:, 0]))
 
 
 class HostStaging:
@@ -166,113 +154,39 @@ class TokenFeed:
         input_ids.index_copy_(0, rows, self.source.index_select(0, source_rows))
 
 
-@dataclass
-class PagedContext:
-    """What the attention callable needs for one batch (device tensors; CPU-path helpers precomputed)."""
-
-    slot_mapping: torch.Tensor  # (T,) int64
-    block_table: torch.Tensor  # (B, max_blocks) int32
-    seq_lens: torch.Tensor  # (B,) int32: context length after this step
-    cu_seqlens_q: torch.Tensor | None  # (B - decode_rows + 1,) int32; None for a decode-only batch
-    max_seqlen_q: int
-    window_sizes: tuple[tuple[int, int], ...]
-    workspace: object | None = None
-    # Rows 0..decode_rows-1 hold one token each and attend as decodes; cu_seqlens_q / max_seqlen_q describe the
-    # rows after them (rebased to 0).
-    decode_rows: int = 0
-    # The table columns the decode rows and the other rows use (each call sees only its own rows' widest table:
-    # the split heuristic and the gathered path's buffer are sized from the table width).
-    table_widths: tuple[int, int] | None = None
-    # CPU path: per sequence, the cache slots of positions 0..seq_len-1 and the query rows.
-    context_slots: list[torch.Tensor] = field(default_factory=list)
-    query_bounds: list[tuple[int, int]] = field(default_factory=list)
-
-
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        attention: PagedAttention,
         *,
-        num_blocks: int,
-        block_size: int,
         max_model_len: int,
-        num_cpu_blocks: int = 0,
         max_num_seqs: int = 256,
         use_cuda_graphs: bool = True,
-        attention_backend: str = "auto",
         max_num_batched_tokens: int | None = None,
     ):
-        """attention_backend: "triton" (reshape_and_cache + paged_attention), "torch" (the exact CPU path) or
-        "auto" (triton on CUDA, torch elsewhere; triton on the CPU runs in Triton's interpreter, for tests).
+        """attention: the engine's paged-attention seam (caches, plans, the step context the model calls).
         max_num_batched_tokens (default max_model_len): the most query tokens of one step, for the warm-up."""
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         self.model = model
+        self.attention = attention
         self.config = model.config
         self.device = model.inv_freq.device
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.use_triton = attention_backend == "triton" or (attention_backend == "auto" and self.device.type == "cuda")
-        self.block_size = block_size
-        self.max_blocks_per_seq = cdiv(max_model_len, block_size)
-        self.window_sizes = tuple(self.config.window_size(i) for i in range(self.config.num_layers))
-        shape = (num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
-        # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
-        layers = range(self.config.num_layers)
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
-        # The swap pool is only ever read where a swap-out wrote; pinned on CUDA so that copies are asynchronous.
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        self.cpu_k_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.k_caches]
-        self.cpu_v_caches = [torch.empty(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in self.v_caches]
+        self.block_size = attention.block_size
+        self.max_blocks_per_seq = cdiv(max_model_len, self.block_size)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._staging = HostStaging(self.device)
-        self._workspace = None
-        if self.use_triton:
-            from ioattn.ops.paged import paged_workspace
-
-            self._workspace = paged_workspace(max(max_num_seqs, 1), self.config.num_heads, self.config.head_dim,
-                                              device=self.device)
-            if self.device.type == "cuda":
-                self._warm_up_attention(max_num_batched_tokens or max_model_len)
-            if use_cuda_graphs and self.device.type == "cuda":
+        if self.device.type == "cuda":
+            attention.warm_up(self.config.num_heads, max_num_batched_tokens or max_model_len)
+            if use_cuda_graphs and attention.backend == "triton":
                 self._capture_graphs(max_num_seqs)
 
-    @staticmethod
-    def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
-
-    # -- plans: copies and swaps ------------------------------------------------------------------------------
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: every layer's block dst <- block src, before the step writes into dst."""
-        if not copies:
-            return
-        mapping = to_device(copies, torch.int64, self.device)
-        if self.use_triton:
-            from ioattn.ops.cache import copy_blocks
-
-            copy_blocks(self.k_caches, self.v_caches, mapping)
-            return
-        for cache in (*self.k_caches, *self.v_caches):
-            _copy_block_rows(cache, cache, mapping)
-
-    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Swap-outs (gpu, cpu) first: a block they empty may be the destination of a swap-in (cpu, gpu)."""
-        for moves, to_cpu in ((swap_out, True), (swap_in, False)):
-            if not moves:
-                continue
-            mapping = torch.tensor(moves, dtype=torch.int64)
-            pairs = zip((*self.k_caches, *self.v_caches), (*self.cpu_k_caches, *self.cpu_v_caches))
-            for device_cache, cpu_cache in pairs:
-                src, dst = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
-                if self.use_triton:
-                    from ioattn.ops.cache import swap_blocks
-
-                    swap_blocks(src, dst, mapping)
-                else:
-                    _copy_block_rows(src, dst, mapping)
+    def run(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], copies: list[tuple[int, int]],
+            batch: Batch, feed: TokenFeed | None = None) -> torch.Tensor:
+        """One step plan: the swaps and copy-on-write copies, then the forward pass (see `execute`)."""
+        self.attention.swap(swap_out, swap_in)
+        self.attention.copy_blocks(copies)
+        return self.execute(batch, feed)
 
     # -- the forward pass ---------------------------------------------------------------------------------
 
@@ -281,8 +195,6 @@ class ModelRunner:
         """Run one packed batch; float32 logits (number of sampling chunks, vocab), in chunk order."""
         if not len(batch):
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        # Set per call, not once: engines sharing one loaded model must each attend over their own cache.
-        self.model.attention = self._attention
         decode = len(batch.token_ids) == len(batch)
         graph_size = next((s for s in self.graphs if s >= len(batch)), None) if decode else None
         self._staging.reuse()
@@ -316,112 +228,24 @@ class ModelRunner:
             cu_seqlens = staging.array("cu_seqlens_q", num_rows - decode_rows + 1, torch.int32)
             cu_seqlens[0] = 0
             np.cumsum(batch.num_tokens[decode_rows:], out=cu_seqlens[1:])
-        ctx = PagedContext(
+        if self.attention.checks_tables:
+            q_lens = torch.tensor(batch.num_tokens)
+            self.attention.check_step(torch.from_numpy(layout.tables), torch.from_numpy(layout.seq_lens), q_lens,
+                                      torch.from_numpy(layout.slots))
+        ctx = self.attention.step(
             slot_mapping=staging.upload("slot_mapping", num_tokens, torch.int64),
             block_table=staging.upload("block_table", num_rows * width, torch.int32).view(num_rows, width),
             seq_lens=staging.upload("seq_lens", num_rows, torch.int32),
             cu_seqlens_q=None if decode else staging.upload("cu_seqlens_q", num_rows - decode_rows + 1, torch.int32),
             max_seqlen_q=max(batch.num_tokens[decode_rows:] or [1]),
-            window_sizes=self.window_sizes,
-            # The split scratch is sized for decode rows (one per sequence); a prefill allocates its own if it splits.
-            workspace=self._workspace,
             decode_rows=decode_rows,
             table_widths=(max(batch.table_lens[:decode_rows] or [1]), max(batch.table_lens[decode_rows:] or [1])),
         )
-        if not self.use_triton:
-            self._add_context_slots(ctx, batch, layout)
         input_ids = staging.upload("input_ids", num_tokens, torch.int64)
         positions = staging.upload("positions", num_tokens, torch.int64)
         if feed is not None:
             feed.apply(input_ids, staging)
         return self.model(input_ids, positions, ctx)
-
-    def _add_context_slots(self, ctx: PagedContext, batch: Batch, layout: Layout) -> None:
-        """The torch path: each sequence's cache slots of positions 0..seq_len-1, and its rows of the batch."""
-        bs, end = self.block_size, 0
-        for row, (count, seq_len) in enumerate(zip(batch.num_tokens, layout.seq_lens.tolist())):
-            positions = np.arange(seq_len)
-            blocks = layout.tables[row, positions // bs].astype(np.int64)
-            ctx.context_slots.append(torch.from_numpy(blocks * bs + positions % bs))
-            ctx.query_bounds.append((end, end + count))
-            end += count
-
-    def _attention(self, q, k, v, layer_idx: int, ctx: PagedContext) -> torch.Tensor:
-        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
-        window = ctx.window_sizes[layer_idx]
-        if self.use_triton:
-            from ioattn.ops.cache import reshape_and_cache
-            from ioattn.ops.paged import paged_attention
-
-            reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-            n = ctx.decode_rows
-            if ctx.cu_seqlens_q is None:
-                return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, causal=True,
-                                       window_size=window, workspace=ctx.workspace)
-            out = torch.empty_like(q)
-            decode_width, chunk_width = ctx.table_widths or (ctx.block_table.shape[1],) * 2
-            if n:
-                paged_attention(q[:n], k_cache, v_cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
-                                causal=True, window_size=window, workspace=ctx.workspace, out=out[:n])
-            paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
-                            cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, causal=True,
-                            window_size=window, out=out[n:])
-            return out
-        return self._torch_paged_attention(q, k, v, k_cache, v_cache, window, ctx)
-
-    @staticmethod
-    def _torch_paged_attention(q, k, v, k_cache, v_cache, window, ctx: PagedContext) -> torch.Tensor:
-        """Exact CPU path: write K/V to their slots, then each sequence's queries attend over its gathered cache."""
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, ctx.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, ctx.slot_mapping, v.to(v_cache.dtype))
-        out = torch.empty_like(q)
-        for slots, (start, end) in zip(ctx.context_slots, ctx.query_bounds):
-            seq_len = slots.shape[0]
-            # (1, H, N, D) views; queries sit at the last end - start positions (bottom-right causal).
-            q_s = q[start:end].transpose(0, 1).unsqueeze(0)
-            k_s = flat_k.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            v_s = flat_v.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
-            k_pos = torch.arange(seq_len)[None, :]
-            mask = k_pos <= q_pos
-            if window[0] >= 0:
-                mask &= k_pos >= q_pos - window[0]
-            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, enable_gqa=True)
-            out[start:end] = o_s.squeeze(0).transpose(0, 1)
-        return out
-
-    @torch.inference_mode()
-    def _warm_up_attention(self, max_tokens: int) -> None:
-        """Compile every attention variant a step can take before serving, not during it: a kernel compiled
-        mid-serving stalls its step for seconds (an H200 step of 686 tokens took 2.1-2.9 s, 2026-12-01-s5-explore9
-        results). Per window of the model: decode and multi-token queries on the paged kernel, unsplit (output in
-        the model's dtype) and at each power-of-two split count (float32 partials; the combine kernel is
-        specialised on the count), and the gathered-context path (dense varlen forward) at one token and at
-        `max_tokens` (its config table distinguishes short and long queries). The queries are a view of a fused
-        qkv row, as the model passes them; the caches are only read."""
-        from ioattn.ops.paged import MAX_SPLITS, paged_attention
-
-        cfg, device = self.config, self.device
-        qkv = torch.zeros(2, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype, device=device)
-        q = qkv[:, : cfg.num_heads]
-        k_cache, v_cache = self.k_caches[0], self.v_caches[0]
-        table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-        cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
-        split_counts = [1 << i for i in range(MAX_SPLITS.bit_length()) if 1 << i <= MAX_SPLITS]
-        for window in sorted(set(self.window_sizes)):
-            for splits in split_counts:
-                paged_attention(q[:1], k_cache, v_cache, table, seq_lens, window_size=window, num_splits=splits,
-                                workspace=self._workspace)
-                paged_attention(q[:1], k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
-                                window_size=window, num_splits=splits, gather=False)
-            if window[0] < 0:  # a window never takes the gathered path
-                for max_seqlen_q in sorted({1, max_tokens}):
-                    paged_attention(q[:1], k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q,
-                                    max_seqlen_q=max_seqlen_q, window_size=window, gather=True)
-        torch.cuda.synchronize(device)
 
     # -- CUDA graphs for decode ------------------------------------------------------------------------------
 
@@ -435,13 +259,11 @@ class ModelRunner:
         self._graph_slots = torch.full((max_bs,), -1, dtype=torch.int64, **to)
         self._graph_tables = torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, **to)
         self._graph_lens = torch.zeros(max_bs, dtype=torch.int32, **to)
-        self.model.attention = self._attention
         pool = None
         for size in sorted((s for s in GRAPH_BATCH_SIZES if s <= max_bs), reverse=True):
-            ctx = PagedContext(
+            ctx = self.attention.step(
                 slot_mapping=self._graph_slots[:size], block_table=self._graph_tables[:size],
-                seq_lens=self._graph_lens[:size], cu_seqlens_q=None, max_seqlen_q=1,
-                window_sizes=self.window_sizes, workspace=self._workspace, decode_rows=size,
+                seq_lens=self._graph_lens[:size], cu_seqlens_q=None, max_seqlen_q=1, decode_rows=size,
             )
             ids, positions = self._graph_ids[:size], self._graph_positions[:size]
             self.model(ids, positions, ctx)  # warm-up: compiles the kernels outside the capture
@@ -460,6 +282,9 @@ class ModelRunner:
         n, staging, max_blocks = len(batch), self._staging, self.max_blocks_per_seq
         layout = lay_out(batch, staging.array("graph_tables", n * max_blocks, torch.int32).reshape(n, max_blocks),
                          self.block_size)
+        if self.attention.checks_tables:
+            self.attention.check_step(torch.from_numpy(layout.tables), torch.from_numpy(layout.seq_lens), torch.ones(n, dtype=torch.int64),
+                                      torch.from_numpy(layout.slots))
         staging.array("graph_ids", n, torch.int64)[:] = batch.token_ids
         staging.array("graph_positions", n, torch.int64)[:] = layout.positions
         slots = staging.array("graph_slots", size, torch.int64)
@@ -502,18 +327,14 @@ class ModelRunner:
         ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lens])
         ctx = DenseCausalAttention.build(lens, model.config, device)
-        attention, model.attention = model.attention, dense_causal_attention
-        try:
-            # Logits of one row per running sequence: the sampler's share of the peak.
-            model.compute_logits(model(ids, positions, ctx)[:max_num_seqs])
-        finally:
-            model.attention = attention
+        # Logits of one row per running sequence: the sampler's share of the peak.
+        model.compute_logits(model(ids, positions, ctx)[:max_num_seqs])
         torch.cuda.synchronize(device)
         peak_activation = torch.cuda.max_memory_allocated(device) - before
         torch.cuda.empty_cache()  # else the activations' cached memory would count as used twice
         free, total = torch.cuda.mem_get_info(device)
         usable = int(total * gpu_memory_utilization) - (total - free) - peak_activation
-        num_blocks = usable // ModelRunner.block_bytes(model.config, block_size, model.model.embed_tokens.weight.dtype)
+        num_blocks = usable // PagedAttention.block_bytes(model.config, block_size, model.model.embed_tokens.weight.dtype)
         if num_blocks < cdiv(max_model_len, block_size):
             raise ValueError(
                 f"gpu_memory_utilization {gpu_memory_utilization} leaves room for {max(num_blocks, 0)} KV blocks, "

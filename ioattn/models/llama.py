@@ -2,10 +2,10 @@
 
 The model works on a *flat, packed* batch: `input_ids (T,)` and `positions (T,)` hold the tokens of every
 sequence in the batch back to back (prefill chunks and decode tokens alike), so no padding is ever computed.
-Attention is the one place that needs to know where sequences start and what they have cached; the model hands
-it over to a pluggable callable `attention(q, k, v, layer_idx, ctx)` with q (T, Hq, D), k/v (T, Hkv, D) after
-RoPE, and `ctx` an object the caller built for this batch (the engine passes its paged-KV context; tests and
-simple generation pass `DenseCausalAttention`). On CUDA the elementwise work runs as fused Triton kernels
+Attention is the one place that needs to know where sequences start and what they have cached; the caller hands
+the model a context for the batch with its inputs, and every layer calls `ctx.attend(q, k, v, layer_idx)` with
+q (T, Hq, D), k/v (T, Hkv, D) after RoPE (the engine passes its paged-attention step, `ioattn.engine.attention`;
+tests and simple generation pass `DenseCausalAttention`). On CUDA the elementwise work runs as fused Triton kernels
 (`ioattn.ops.fused`, rounding where the torch code here rounds; RMSNorm's sum of squares is reduced in
 another order, so its outputs may differ in the last bits) and each residual add is folded into the norm that
 follows it, so every layer passes on (sublayer output, residual stream); elsewhere the plain torch code runs
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,9 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ioattn.models.config import ModelConfig
-
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, object], torch.Tensor]
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -125,7 +122,7 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def forward(self, x, rotary: Rotary, attention: Attention, ctx) -> torch.Tensor:
+    def forward(self, x, rotary: Rotary, ctx) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
@@ -134,7 +131,7 @@ class SelfAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(q, k)
-        out = attention(q, k, v, self.layer_idx, ctx)
+        out = ctx.attend(q, k, v, self.layer_idx)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -160,14 +157,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, residual, rotary: Rotary, attention: Attention, ctx):
+    def forward(self, x, residual, rotary: Rotary, ctx):
         """(previous layer's MLP output, residual stream before it) -> the same pair for this layer; the first
         layer gets (embeddings, None). Adding x to the residual happens inside the next norm."""
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rotary, attention, ctx)
+        x = self.self_attn(x, rotary, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -186,10 +183,9 @@ class LlamaForCausalLM(nn.Module):
     # Fused parameter -> the checkpoint projections stacked in it, in row order.
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, config: ModelConfig, attention: Attention | None = None):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.attention = attention or dense_causal_attention
         self.model = DecoderStack(config)
         # Tied models read their logits off the embedding matrix; no second parameter to keep in sync.
         self.lm_head = None
@@ -198,12 +194,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        """Packed tokens (T,) at their positions (T,) -> final hidden states (T, hidden), normed."""
+        """Packed tokens (T,) at their positions (T,) -> final hidden states (T, hidden), normed; `ctx` is the
+        batch's attention context (`ctx.attend(q, k, v, layer_idx)`)."""
         x = self.model.embed_tokens(input_ids)
         rotary = Rotary.build(self.inv_freq, positions, x.dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, rotary, self.attention, ctx)
+            x, residual = layer(x, residual, rotary, ctx)
         if residual is None:  # a model with no layers: nothing was added to the residual stream
             return self.model.norm(x)
         return self.model.norm(x, residual)[0]
@@ -237,12 +234,10 @@ class LlamaForCausalLM(nn.Module):
         return layout
 
 
-def build_model(
-    config: ModelConfig, dtype: torch.dtype, device, attention: Attention | None = None
-) -> LlamaForCausalLM:
+def build_model(config: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
     """A model whose parameters are allocated on `device` in `dtype` but not initialised (the caller fills them)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention)
+        model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device=device)
     model.reset_rope()
     return model.eval().requires_grad_(False)
@@ -273,9 +268,12 @@ class DenseCausalAttention:
         windows = tuple(config.window_size(i) for i in range(config.num_layers))
         return cls(cu_seqlens=cu, max_seqlen=max(seq_lens), window_sizes=windows, backend=backend)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return dense_causal_attention(q, k, v, layer_idx, self)
+
 
 def dense_causal_attention(q, k, v, layer_idx: int, ctx: DenseCausalAttention) -> torch.Tensor:
-    """The default `attention` callable: causal (optionally windowed) attention within each packed sequence."""
+    """`DenseCausalAttention.attend`: causal (optionally windowed) attention within each packed sequence."""
     window = ctx.window_sizes[layer_idx]
     varlen = _ioattn_varlen() if ctx.backend != "torch" else None
     if ctx.backend == "ioattn" and varlen is None:

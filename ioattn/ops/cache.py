@@ -10,9 +10,9 @@ import torch
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
 from ioattn.kernels.cache_ops import gather_cache_kernel, reshape_and_cache_kernel
 from ioattn.intmath import cdiv, next_power_of_2
-from ioattn.ops.checks import SUPPORTED_DTYPES, check_backend, check_tensor, checks_contents
+from ioattn.ops.checks import check_backend, check_tensor, checks_contents
 from ioattn.ops.paged_checks import (
-    check_block_mapping, check_cache_pair, check_int_vector, check_slot_contents, require,
+    check_block_mapping, check_cache_pair, check_int_vector, check_slot_contents, dtypes_of, require,
 )
 
 
@@ -35,14 +35,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     when `validate` is True, or None for CPU tensors or with IOATTN_VALIDATE=1, else trusted. backend: "auto"
     (the Triton kernel on CUDA and under the CPU interpreter, else torch), "triton" or "torch" (index copies).
     """
-    check_cache_pair(k_cache, v_cache)
     check_tensor("key", key)
     check_tensor("value", value)
+    dtypes = dtypes_of(resolve_backend(backend, key.device)[0])
+    check_cache_pair(k_cache, v_cache, dtypes)
     expected = (key.shape[0], k_cache.shape[2], k_cache.shape[3]) if key.dim() == 3 else "(tokens, heads, head_dim)"
     require(key.shape == value.shape == expected,
             f"key {tuple(key.shape)} and value {tuple(value.shape)} must be (tokens, num_kv_heads, head_dim) = {expected}")
-    require(key.dtype in SUPPORTED_DTYPES and value.dtype in SUPPORTED_DTYPES,
-            f"key/value dtype must be one of {SUPPORTED_DTYPES}, got {key.dtype}, {value.dtype}")
+    require(key.dtype in dtypes and value.dtype in dtypes,
+            f"key/value dtype must be one of {dtypes}, got {key.dtype}, {value.dtype}")
     require(key.stride(-1) == 1 and value.stride(-1) == 1, "key and value must be contiguous in head_dim")
     require(key.device == value.device == k_cache.device, f"key ({key.device}), value ({value.device}) and the "
             f"caches ({k_cache.device}) must be on one device")

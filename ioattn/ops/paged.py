@@ -30,7 +30,9 @@ from ioattn.ops.checks import (
     SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents,
     is_int, normalized_window, softmax_scale_or_default, unbounded_past,
 )
-from ioattn.ops.paged_checks import check_block_table, check_cache_pair, check_int_vector, check_table_contents, require
+from ioattn.ops.paged_checks import (
+    check_block_table, check_cache_pair, check_int_vector, check_table_contents, dtypes_of, require,
+)
 
 # Split heuristic (num_splits=0): split the key axis until PROGRAMS_PER_SM programs share each SM (resident programs
 # hide each other's load latency), never below one 64-key decode tile per split, never past MAX_SPLITS.
@@ -284,9 +286,10 @@ def paged_attention(
     decode = cu_seqlens_q is None
     check_tensor("q", q)
     require(q.dim() == 3, f"q must be (batch, heads, head_dim) or (total_q, heads, head_dim), got {tuple(q.shape)}")
-    require(q.dtype in SUPPORTED_DTYPES, f"q dtype must be one of {SUPPORTED_DTYPES}, got {q.dtype}")
+    dtypes = dtypes_of(resolve_backend(backend, q.device)[0])
+    require(q.dtype in dtypes, f"q dtype must be one of {dtypes}, got {q.dtype}")
     require(q.stride(-1) == 1, "q must be contiguous in head_dim (stride(-1) == 1)")
-    check_cache_pair(k_cache, v_cache)
+    check_cache_pair(k_cache, v_cache, dtypes)
     require(k_cache.dtype == q.dtype, f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -450,3 +453,29 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
     )
     return out, lse
+
+
+@torch.inference_mode()
+def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window_size=(-1, -1),
+                     max_tokens: int = 1, workspace: PagedWorkspace | None = None) -> None:
+    """Run (so compile) every variant of `paged_attention` a serving step can take with these caches, so that no
+    kernel compiles mid-serving: decode and multi-token queries on the paged kernel, unsplit (output in the cache
+    dtype) and at each power-of-two split count (float32 partials; the combine is specialised on the count),
+    and, without a window, the gathered path at one query token and at `max_tokens` (the forward's table tells
+    short from long queries). Queries are a view of a fused qkv row, as a model passes them; the caches are only
+    read."""
+    device, head_dim, kv_heads = k_cache.device, k_cache.shape[3], k_cache.shape[2]
+    qkv = torch.zeros(2, num_heads + 2 * kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+    q = qkv[:1, :num_heads]
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    common = dict(window_size=window_size, backend="triton", validate=False)
+    for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
+        paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits, workspace=workspace, **common)
+        paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,
+                        num_splits=splits, gather=False, **common)
+    if window_size[0] < 0:  # a window never takes the gathered path
+        for max_seqlen_q in sorted({1, max_tokens}):
+            paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                            gather=True, **common)

@@ -12,6 +12,12 @@ from ioattn.ops.checks import SUPPORTED_DTYPES, check_head_dim, check_tensor
 
 MAX_BLOCK_SIZE = 256
 EVICTED = -1  # a table entry an eviction policy released (`ioattn.kv.EVICTED`)
+TORCH_DTYPES = (*SUPPORTED_DTYPES, torch.float64)  # the torch backend computes in any float type
+
+
+def dtypes_of(backend: str) -> tuple[torch.dtype, ...]:
+    """The dtypes a resolved backend takes: the kernels' three, or float64 besides on the torch path."""
+    return TORCH_DTYPES if backend == "torch" else SUPPORTED_DTYPES
 
 
 def require(ok: bool, message: str) -> None:
@@ -19,10 +25,10 @@ def require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_cache(name: str, cache) -> None:
+def check_cache(name: str, cache, dtypes=SUPPORTED_DTYPES) -> None:
     check_tensor(name, cache)
     require(cache.dim() == 4, f"{name} must be (num_blocks, block_size, num_kv_heads, head_dim), got {tuple(cache.shape)}")
-    require(cache.dtype in SUPPORTED_DTYPES, f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {cache.dtype}")
+    require(cache.dtype in dtypes, f"{name} dtype must be one of {dtypes}, got {cache.dtype}")
     block_size = cache.shape[1]
     require(block_size & (block_size - 1) == 0 and 1 <= block_size <= MAX_BLOCK_SIZE,
             f"{name} block_size must be a power of two in 1..{MAX_BLOCK_SIZE}, got {block_size}")
@@ -31,9 +37,9 @@ def check_cache(name: str, cache) -> None:
     require(cache.stride(-1) == 1, f"{name} must be contiguous in head_dim (stride(-1) == 1)")
 
 
-def check_cache_pair(k_cache, v_cache) -> None:
-    check_cache("k_cache", k_cache)
-    check_cache("v_cache", v_cache)
+def check_cache_pair(k_cache, v_cache, dtypes=SUPPORTED_DTYPES) -> None:
+    check_cache("k_cache", k_cache, dtypes)
+    check_cache("v_cache", v_cache, dtypes)
     require(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device,
             f"k_cache ({k_cache.dtype} {tuple(k_cache.shape)} on {k_cache.device}) and v_cache ({v_cache.dtype} "
             f"{tuple(v_cache.shape)} on {v_cache.device}) must match")

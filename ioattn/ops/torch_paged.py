@@ -29,6 +29,14 @@ def _visible(num_queries: int, seq_len: int, window: tuple[int, int], sink_token
     return visible
 
 
+def context_slots(table_row: torch.Tensor, seq_len: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of each position 0..seq_len-1 of a sequence, and whether its block is present (an evicted
+    block's positions get slot-sized placeholders, never visible)."""
+    positions = torch.arange(seq_len, device=table_row.device)
+    blocks = table_row.long()[positions // page]
+    return blocks.clamp(min=0) * page + positions % page, blocks >= 0
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, window, sink_tokens, scale, out,
                     return_lse):
     """Arguments as checked by `ioattn.ops.paged.paged_attention` (window already normalised, causal folded in)."""
@@ -41,16 +49,13 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, wi
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    table = block_table.long()
     for row, seq_len in enumerate(lens):
         start, end = starts[row], starts[row + 1]
         if start == end or seq_len == 0:
             continue
-        positions = torch.arange(seq_len, device=q.device)
-        blocks = table[row, positions // page]
-        slots = blocks.clamp(min=0) * page + positions % page  # evicted blocks: a valid slot, masked below
+        slots, present = context_slots(block_table[row], seq_len, page)
         keys, values = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
-        visible = _visible(end - start, seq_len, window, sink_tokens).to(q.device) & (blocks >= 0)[None, :]
+        visible = _visible(end - start, seq_len, window, sink_tokens).to(q.device) & present[None, :]
         if return_lse:
             _with_lse(q[start:end], keys, values, visible, scale, result[start:end], lse[start:end])
         else:

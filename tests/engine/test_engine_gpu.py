@@ -53,7 +53,7 @@ def test_pool_sized_from_gpu_memory_utilization_bf16():
                                             max_num_seqs=16))
     assert engine.runner.dtype == torch.bfloat16 and engine.runner.graphs
     _, total = torch.cuda.mem_get_info()
-    kv_bytes = sum(c.numel() * c.element_size() for c in (*engine.runner.k_caches, *engine.runner.v_caches))
+    kv_bytes = sum(c.numel() * c.element_size() for c in (*engine.attention.k_caches, *engine.attention.v_caches))
     assert engine.kv.num_blocks * engine.config.block_size >= 256
     assert kv_bytes <= 0.2 * total
     engine.add_request("r", prompt_token_ids=prompt(20, 1), params=greedy(8))

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from engine_helpers import tiny
+from ioattn.engine.attention import PagedAttention
 from ioattn.engine.runner import Batch, HostStaging, ModelRunner, lay_out
+from ioattn.ops.torch_paged import context_slots
 
 
 class RecordingModel:
@@ -27,6 +29,13 @@ class RecordingModel:
         return hidden
 
 
+def _runner():
+    model = tiny().model
+    attention = PagedAttention(model.config, num_blocks=64, block_size=4, dtype=torch.float32, device="cpu",
+                               backend="torch")
+    return ModelRunner(model, attention, max_model_len=64)
+
+
 def _batch(*chunks):
     """Chunks (start, num_tokens, table, sample, salt): token i of a chunk is salt + i."""
     return Batch([salt + i for _, n, _, _, salt in chunks for i in range(n)], [c[0] for c in chunks],
@@ -35,7 +44,7 @@ def _batch(*chunks):
 
 
 def test_a_smaller_mixed_batch_after_a_larger_one_sees_only_its_own_inputs():
-    runner = ModelRunner(tiny().model, num_blocks=64, block_size=4, max_model_len=64, attention_backend="torch")
+    runner = _runner()
     runner.model = model = RecordingModel(runner.model)
     runner.execute(_batch((0, 9, [7, 8, 9], True, 100), (5, 1, [10, 11], True, 200), (0, 12, [1, 2, 3], True, 300)))
     logits = runner.execute(_batch((4, 3, [5, 6], False, 7), (2, 1, [4], True, 9)))
@@ -45,13 +54,14 @@ def test_a_smaller_mixed_batch_after_a_larger_one_sees_only_its_own_inputs():
     assert ctx.block_table.shape == (2, 2) and ctx.block_table[0].tolist() == [5, 6] and ctx.block_table[1, 0] == 4
     assert ctx.seq_lens.tolist() == [7, 3] and ctx.cu_seqlens_q.tolist() == [0, 3, 4] and ctx.max_seqlen_q == 3
     assert logits[:, 0].tolist() == [2.0]  # only the sampling chunk's last token
-    assert [slots.tolist() for slots in ctx.context_slots] == [[20, 21, 22, 23, 24, 25, 26], [16, 17, 18]]
+    assert [context_slots(ctx.block_table[row], int(ctx.seq_lens[row]), 4)[0].tolist() for row in range(2)] == \
+        [[20, 21, 22, 23, 24, 25, 26], [16, 17, 18]]
 
 
 def test_leading_decodes_are_split_from_the_packed_chunks():
     # Decodes first (the scheduler's order), then a prefill chunk and a one-token chunk: the decodes attend as a
     # decode batch, the rest as packed queries whose cu_seqlens start at their first row.
-    runner = ModelRunner(tiny().model, num_blocks=64, block_size=4, max_model_len=64, attention_backend="torch")
+    runner = _runner()
     runner.model = model = RecordingModel(runner.model)
     runner.execute(_batch((5, 1, [10, 11], True, 1), (2, 1, [4], True, 2), (0, 9, [7, 8, 12], True, 3),
                           (3, 1, [9], True, 4)))

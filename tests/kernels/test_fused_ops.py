@@ -213,7 +213,7 @@ def test_model_fused_path_matches_torch_path(model_type):
     """The tiny preset (Qwen3: with per-head q/k norms) in bf16: CUDA runs the fused kernels, the CPU the torch
     code, on the same weights."""
     config = PRESETS["tiny"].config.replace(model_type=model_type, qk_norm=model_type == "qwen3")
-    on_cpu = build_model(config, torch.bfloat16, "cpu", attention=dense_causal_attention)
+    on_cpu = build_model(config, torch.bfloat16, "cpu")
     randomize_weights(on_cpu, seed=0, draw_device="cpu")
     on_gpu = copy.deepcopy(on_cpu).to("cuda")
     prompt = [(7 * i + 3) % 250 + 1 for i in range(24)]

@@ -1,0 +1,169 @@
+"""The engine's attention seam: the paged KV cache of every layer, the plans that move its blocks, and the attention
+the model's layers call for one step.
+
+`PagedAttention` owns each layer's K and V cache (and the CPU swap pool), executes the KV manager's plans
+(copy-on-write copies, swaps, block export/import for disaggregated serving), turns a step's layout into a
+`StepAttention` and warms up by asking `ioattn.ops.paged` which variants exist. The model receives the
+`StepAttention` with its inputs and calls `ctx.attend(q, k, v, layer_idx)` in each layer: new K/V into their cache
+slots, then attention over each sequence's blocks. Rows of one token (the scheduler puts running decodes first)
+attend through the decode path; the packed chunks after them as multi-token queries, each call seeing only its own
+rows' widest table (the split heuristic and the gathered path size themselves from the table width).
+
+Backends: "triton" (the paged kernels; CUDA, or Triton's interpreter on the CPU for tests) and "torch" (the exact
+CPU path of `ioattn.ops.torch_paged`). The tables come from the KV manager's plans and are valid by construction;
+when index contents are checked (CPU tensors, or IOATTN_VALIDATE=1, see `ioattn.ops.checks`) each step's tables,
+lengths and slots are checked once on the host, before they reach the device, instead of in every layer's call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ioattn.engine.transfer import to_device
+from ioattn.ops.cache import copy_blocks, reshape_and_cache, swap_blocks
+from ioattn.ops.checks import checks_contents
+from ioattn.ops.paged import compile_variants, paged_attention, paged_workspace
+from ioattn.ops.paged_checks import check_slot_contents, check_table_contents
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass
+class StepAttention:
+    """One step's attention inputs (device tensors), handed to the model with the step's tokens."""
+
+    owner: PagedAttention
+    slot_mapping: torch.Tensor  # (T,) int64
+    block_table: torch.Tensor  # (B, width) int32
+    seq_lens: torch.Tensor  # (B,) int32: context length after this step
+    cu_seqlens_q: torch.Tensor | None  # (B - decode_rows + 1,) int32; None for a decode-only step
+    max_seqlen_q: int
+    # Rows 0..decode_rows-1 hold one token each and attend as decodes; cu_seqlens_q / max_seqlen_q describe the
+    # rows after them (rebased to 0).
+    decode_rows: int = 0
+    # The table columns the decode rows and the other rows use.
+    table_widths: tuple[int, int] | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.owner.attend(q, k, v, layer_idx, self)
+
+
+class PagedAttention:
+    def __init__(self, config, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 num_cpu_blocks: int = 0, max_num_seqs: int = 256, backend: str = "auto"):
+        """config: the model's `ModelConfig` (layers, KV heads, head dim, per-layer windows). backend: "triton",
+        "torch" or "auto" (triton on CUDA, torch elsewhere)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+        self.device = torch.device(device)
+        self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.window_sizes = tuple(config.window_size(i) for i in range(config.num_layers))
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
+        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        # The swap pool is only ever read where a swap-out wrote; pinned on CUDA so that copies are asynchronous.
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        pin = self.device.type == "cuda"
+        self.cpu_k_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in self.k_caches]
+        self.cpu_v_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in self.v_caches]
+        self.workspace = None
+        if self.backend == "triton":  # split scratch for the largest decode batch (one row per sequence)
+            self.workspace = paged_workspace(max(max_num_seqs, 1), config.num_heads, config.head_dim,
+                                             device=self.device)
+        self.checks_tables = checks_contents(None, self.device)
+
+    @staticmethod
+    def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block across all layers, K and V."""
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+    def describe(self) -> dict:
+        """What `engine.stats()` reports about attention: backend, cache geometry and how inputs are checked."""
+        cache = self.k_caches[0] if self.k_caches else None
+        checks = ("every step's tables, lengths and slots checked on the host (CPU, or IOATTN_VALIDATE=1)"
+                  if self.checks_tables else
+                  "tables built from the KV manager's plans, trusted (IOATTN_VALIDATE=1 checks every step)")
+        return {"backend": self.backend, "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "cache_dtype": None if cache is None else str(cache.dtype).removeprefix("torch."),
+                "kernel_inputs": checks}
+
+    # -- plans: copies, swaps and block transfers ---------------------------------------------------------------
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: every layer's block dst <- block src, before the step writes into dst."""
+        if copies:
+            mapping = to_device(copies, torch.int64, self.device)
+            copy_blocks(self.k_caches, self.v_caches, mapping, validate=self.checks_tables)
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Swap-outs (gpu, cpu) first: a block they empty may be the destination of a swap-in (cpu, gpu)."""
+        for moves, to_cpu in ((swap_out, True), (swap_in, False)):
+            if not moves:
+                continue
+            mapping = torch.tensor(moves, dtype=torch.int64)
+            pools = zip((*self.k_caches, *self.v_caches), (*self.cpu_k_caches, *self.cpu_v_caches))
+            for device_cache, cpu_cache in pools:
+                src, dst = (device_cache, cpu_cache) if to_cpu else (cpu_cache, device_cache)
+                swap_blocks(src, dst, mapping)
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """(layers, 2, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V (prefix export)."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
+                            for k, v in zip(self.k_caches, self.v_caches)])
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """The reverse of `read_blocks`: kv[:, :, i] lands in block blocks[i] of every layer (prefix import)."""
+        index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+        for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
+            k_cache.index_copy_(0, index, kv[layer, 0].to(k_cache.dtype))
+            v_cache.index_copy_(0, index, kv[layer, 1].to(v_cache.dtype))
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def check_step(self, tables: torch.Tensor, seq_lens: torch.Tensor, q_lens: torch.Tensor,
+                   slots: torch.Tensor) -> None:
+        """The host copies of a step's inputs, checked before they reach the device (see the module docstring)."""
+        for window in sorted(set(self.window_sizes)):
+            check_table_contents(tables, seq_lens, q_lens, self.num_blocks, self.block_size, window[0], 0)
+        check_slot_contents(slots, self.num_blocks * self.block_size)
+
+    def step(self, slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, decode_rows,
+             table_widths=None) -> StepAttention:
+        return StepAttention(self, slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, decode_rows,
+                             table_widths)
+
+    def attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
+        k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
+        window = self.window_sizes[layer_idx]
+        common = dict(causal=True, window_size=window, backend=self.backend, validate=False)
+        reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False)
+        if ctx.cu_seqlens_q is None:
+            return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,
+                                   **common)
+        n = ctx.decode_rows
+        out = torch.empty_like(q)
+        decode_width, chunk_width = ctx.table_widths or (ctx.block_table.shape[1],) * 2
+        if n:
+            paged_attention(q[:n], k_cache, v_cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
+                            workspace=self.workspace, out=out[:n], **common)
+        paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
+                        cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, out=out[n:], **common)
+        return out
+
+    @torch.inference_mode()
+    def warm_up(self, num_heads: int, max_tokens: int) -> None:
+        """Compile every variant a step can take before serving, not during it (lab/README.md "compiles during
+        serving"): `ioattn.ops.paged.compile_variants` for each window of the model."""
+        if self.backend != "triton":
+            return
+        for window in sorted(set(self.window_sizes)):
+            compile_variants(num_heads, self.k_caches[0], self.v_caches[0], window_size=window,
+                             max_tokens=max_tokens, workspace=self.workspace)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
