@@ -52,16 +52,26 @@ class StepAttention:
 
 class PagedAttention:
     def __init__(self, config, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 num_cpu_blocks: int = 0, max_num_seqs: int = 256, backend: str = "auto"):
+                 num_cpu_blocks: int = 0, max_num_seqs: int = 256, backend: str = "auto",
+                 kv_window: int | None = None, kv_sinks: int = 0):
         """config: the model's `ModelConfig` (layers, KV heads, head dim, per-layer windows). backend: "triton",
-        "torch" or "auto" (triton on CUDA, torch elsewhere)."""
+        "torch" or "auto" (triton on CUDA, torch elsewhere). kv_window / kv_sinks: StreamingLLM attention, every
+        layer seeing the first kv_sinks tokens and the last kv_window (itself included), so that the KV manager's
+        `evict_window(seq, kv_sinks, kv_window)` may release the blocks in between (None: the model's own windows)."""
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+        if kv_window is not None and not (isinstance(kv_window, int) and kv_window >= 1):
+            raise ValueError(f"kv_window must be None or an int >= 1 (tokens a query sees, itself included), got "
+                             f"{kv_window!r}")
+        if not (isinstance(kv_sinks, int) and kv_sinks >= 0) or (kv_sinks and kv_window is None):
+            raise ValueError(f"kv_sinks must be an int >= 0, and > 0 only with a kv_window, got {kv_sinks!r}")
         self.device = torch.device(device)
         self.backend = backend if backend != "auto" else ("triton" if self.device.type == "cuda" else "torch")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.window_sizes = tuple(config.window_size(i) for i in range(config.num_layers))
+        self.window_sizes = tuple(config.window_size(i) if kv_window is None else (kv_window - 1, 0)
+                                  for i in range(config.num_layers))
+        self.sink_tokens = kv_sinks
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
         self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
@@ -89,6 +99,7 @@ class PagedAttention:
                   if self.checks_tables else
                   "tables built from the KV manager's plans, trusted (IOATTN_VALIDATE=1 checks every step)")
         return {"backend": self.backend, "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "windows": sorted(set(self.window_sizes)), "sink_tokens": self.sink_tokens,
                 "cache_dtype": None if cache is None else str(cache.dtype).removeprefix("torch."),
                 "kernel_inputs": checks}
 
@@ -130,7 +141,8 @@ class PagedAttention:
                    slots: torch.Tensor) -> None:
         """The host copies of a step's inputs, checked before they reach the device (see the module docstring)."""
         for window in sorted(set(self.window_sizes)):
-            check_table_contents(tables, seq_lens, q_lens, self.num_blocks, self.block_size, window[0], 0)
+            check_table_contents(tables, seq_lens, q_lens, self.num_blocks, self.block_size, window[0],
+                                 self.sink_tokens)
         check_slot_contents(slots, self.num_blocks * self.block_size)
 
     def step(self, slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, decode_rows,
@@ -141,7 +153,8 @@ class PagedAttention:
     def attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         window = self.window_sizes[layer_idx]
-        common = dict(causal=True, window_size=window, backend=self.backend, validate=False)
+        common = dict(causal=True, window_size=window, sink_tokens=self.sink_tokens, backend=self.backend,
+                      validate=False)
         reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False)
         if ctx.cu_seqlens_q is None:
             return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,

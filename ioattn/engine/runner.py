@@ -191,8 +191,9 @@ class ModelRunner:
     # -- the forward pass ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: Batch, feed: TokenFeed | None = None) -> torch.Tensor:
-        """Run one packed batch; float32 logits (number of sampling chunks, vocab), in chunk order."""
+    def execute(self, batch: Batch, feed: TokenFeed | None = None, every_token: bool = False) -> torch.Tensor:
+        """Run one packed batch; float32 logits (number of sampling chunks, vocab), in chunk order, or with
+        `every_token` one row per token of the batch (scoring a text: `ioattn eval perplexity`)."""
         if not len(batch):
             return torch.empty(0, self.config.vocab_size, device=self.device)
         decode = len(batch.token_ids) == len(batch)
@@ -202,6 +203,9 @@ class ModelRunner:
             hidden = self._replay(graph_size, batch, feed)
         else:
             hidden = self._eager(batch, decode, feed)
+        if every_token:
+            self._staging.copies_issued()
+            return self.model.compute_logits(hidden)
         if decode and all(batch.samples):
             self._staging.copies_issued()
             return self.model.compute_logits(hidden)
