@@ -26,7 +26,7 @@ import torch
 
 from ioattn.models.config import ModelConfig
 from ioattn.models.llama import LlamaForCausalLM, build_model
-from ioattn.models.loader import ChatTemplateSource, LoadedModel, resolve_dtype
+from ioattn.models.checkpoint import ChatTemplateSource, LoadedModel, resolve_dtype
 from ioattn.models.tokenizer import ByteTokenizer
 
 _BYTES = ByteTokenizer()
