@@ -1,9 +1,11 @@
 """Device exploration 1 (not part of the package): decode / chunked-prefill / forward / backward variants.
 
-Run on the H200: PYTHONPATH=. python3 bench/explore/explore1.py [sections...]; writes $OUT/explore1.json as it
-goes. Results: bench/results/2026-12-01-explore1-h200.json. The paged variants that later left the kernel
-(table prefetch, one masked loop, fused split combine, register-pipelined loads: the JSON rows named pf*,
-*_fc, n*/rp* in explore1-3) were removed from these scripts with it; their recorded rows are the evidence.
+Run on the H200: PYTHONPATH=. python3 lab/explore1.py [sections...]; writes $OUT/explore1.json as it goes.
+Results: bench/results/2026-12-01-explore1-h200.json. Its helpers (save_as, timed, kernel_times, decode_inputs)
+and sections are what the later scripts run with their own shapes and configs. The paged variants that later
+left the kernel (table prefetch, one masked loop, fused split combine, register-pipelined loads: the JSON rows
+named pf*, *_fc, n*/rp* in explore1-3) were removed from these scripts with it; their recorded rows are the
+evidence.
 Every variant is checked against a float64 reference on fresh random inputs (NaN-poisoned outputs) before it
 is timed; a variant that fails the check is recorded as wrong and not timed.
 """
@@ -19,14 +21,16 @@ import traceback
 
 import torch
 
-import ioattn  # noqa: F401
+import ioattn
 from ioattn.bench import harness
-from ioattn.bench.decode import _graphed, chunked_prefill_inputs, paged_pool
+from ioattn.bench.decode import capture_graph, chunked_prefill_inputs, paged_pool
+from ioattn.ops.attention import flash_attn_with_config
+from ioattn.ops.backward import BwdConfig, attention_bwd
+from ioattn.ops.forward import FwdConfig
 from ioattn.ops.paged import PagedConfig, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import attention_ref, rel_error
 
 OUT = os.environ.get("OUT", "/tmp/out")
-os.makedirs(OUT, exist_ok=True)
 RESULTS: dict = {"started": time.time(), "decode": [], "prefill": [], "fwd": [], "bwd": [], "errors": []}
 WITH_FLEX = False  # FlexAttention beside the forward variants (explore5)
 TINY = not torch.cuda.is_available()  # a CPU dry run of the script's logic, at toy shapes
@@ -43,6 +47,7 @@ def sync():
 def save_as(name: str):
     """Make every section here write $OUT/<name>.json as it goes (the later scripts reuse these sections)."""
     def save_results():
+        os.makedirs(OUT, exist_ok=True)
         with open(f"{OUT}/{name}.json", "w") as f:
             json.dump(RESULTS, f, indent=1, default=str)
     globals()["save"] = save_results
@@ -53,7 +58,7 @@ save = save_as("explore1")
 
 
 def timed(fn, warmup=10, rep=40):
-    graphed, how = _graphed(fn, DEV)
+    graphed, how = capture_graph(fn, DEV)
     return harness.time_ms(graphed, DEV, warmup_ms=warmup, rep_ms=rep).ms, how
 
 
@@ -90,6 +95,7 @@ def decode_configs():
 
 SPLIT_SWEEP_CONFIGS = ("base",)
 SPLIT_SWEEP = (3,) if TINY else (16, 24, 48, 66, 99, 132)
+SPLIT_SWEEP_MAX_BATCH = 8  # split counts are swept for batches up to this (None: every batch, explore3)
 
 
 def decode_inputs(batch, length, hq, hkv, d):
@@ -105,7 +111,7 @@ def decode_inputs(batch, length, hq, hkv, d):
 
 def decode_section():
     hq, hkv, d = 32, 8, 128
-    configs = globals()['decode_configs']()
+    configs = decode_configs()
     if TINY:
         configs = dict(list(configs.items())[:3])
     for batch, length in DECODE_SHAPES:
@@ -129,7 +135,7 @@ def decode_section():
         for layout, block in (("paged", 16), ("contig", 256)):
             k_cache, v_cache, table = paged_pool(k, v, block, layout == "paged")
             trials = [(name, cfg, 0) for name, cfg in configs.items()]
-            if batch <= 8:
+            if SPLIT_SWEEP_MAX_BATCH is None or batch <= SPLIT_SWEEP_MAX_BATCH:
                 trials += [(name, configs[name], s) for name in SPLIT_SWEEP_CONFIGS if name in configs
                            for s in SPLIT_SWEEP]
             for name, cfg, splits in trials:
@@ -166,8 +172,6 @@ def decode_section():
 
 # ---------------------------------------------------------------------------------------------------- prefill
 def prefill_section(configs=None):
-    from ioattn.ops.forward import FwdConfig
-    from ioattn.ops.attention import flash_attn_with_config
     hq, hkv, d, new, ctx, page = (4, 2, 64, 64, 64, 16) if TINY else (32, 8, 128, 4096, 4096, 16)
     total = new + ctx
     torch.manual_seed(5)
@@ -232,8 +236,6 @@ def prefill_section(configs=None):
 
 # ---------------------------------------------------------------------------------------------------- forward
 def fwd_section(cases=None):
-    from ioattn.ops.forward import FwdConfig
-    from ioattn.ops.attention import flash_attn_with_config
     from torch.nn.attention import SDPBackend, sdpa_kernel
     F = FwdConfig
     default_cases = [
@@ -302,8 +304,6 @@ def fwd_section(cases=None):
 def bwd_section(configs_by_dim=None, shapes=None):
     """Backward tiles: exactness at 1024 tokens (the float64 reference is quadratic in memory), timing at
     B·N = 16k. configs_by_dim: head dim -> BwdConfigs; shapes: (D, N, causal) cases."""
-    from ioattn.ops.backward import BwdConfig, attention_bwd
-    from ioattn.ops.attention import flash_attn_func
     B = BwdConfig
     configs_by_dim = configs_by_dim or {128: [B(128, 64, 128, 64, 8, 2, False), B(128, 64, 128, 64, 8, 3, False),
                                               B(128, 32, 128, 32, 8, 4, False), B(128, 64, 128, 64, 8, 4, False)]}
@@ -319,7 +319,7 @@ def bwd_section(configs_by_dim=None, shapes=None):
                 torch.manual_seed(d + n + causal)
                 small = 256 if TINY else 1024
                 q, k, v, do = (torch.randn(1, small, heads, d, dtype=BF16, device=DEV) for _ in range(4))
-                o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                o, lse = ioattn.flash_attn_func(q, k, v, causal=causal, return_lse=True)
                 refs = [t.double().requires_grad_() for t in (q, k, v)]
                 attention_ref(*refs, causal=causal, differentiable=True)[0].backward(do.double())
                 dq, dk, dv, _ = attention_bwd(do, q, k, v, o, lse, scale=d ** -0.5, causal=causal, config=cfg)
@@ -327,7 +327,7 @@ def bwd_section(configs_by_dim=None, shapes=None):
                 entry = {"D": d, "N": n, "causal": causal, "variant": str(cfg), "errors": errs}
                 if max(errs) < 1e-2:
                     q, k, v, do = (torch.randn(batch, n, heads, d, dtype=BF16, device=DEV) for _ in range(4))
-                    o, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+                    o, lse = ioattn.flash_attn_func(q, k, v, causal=causal, return_lse=True)
                     flops = 2.5 * harness.attention_flops(batch, heads, n, n, d, causal=causal)
 
                     def run(cfg=cfg, q=q, k=k, v=v, do=do, o=o, lse=lse):
@@ -344,7 +344,7 @@ def bwd_section(configs_by_dim=None, shapes=None):
 
 if __name__ == "__main__":
     sections = sys.argv[1:] or ["decode", "prefill", "fwd", "bwd"]
-    RESULTS["disclosure"] = harness.collect_disclosure(DEV, "exp/explore1.py " + " ".join(sections))
+    RESULTS["disclosure"] = harness.collect_disclosure(DEV, "lab/explore1.py " + " ".join(sections))
     RESULTS["ceilings"] = harness.measure_ceilings(DEV, [BF16])
     save()
     for section in sections:

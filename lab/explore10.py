@@ -2,7 +2,7 @@
 dense varlen forward, against the paged kernel and the dense forward (4k new tokens on a 4k context, 32/8
 heads, D=128, page 16); and split counts for 32/32-head decode at B=8 (per-layer time over 32 cache copies).
 
-PYTHONPATH=. python3 bench/explore/explore10.py; writes $OUT/explore10.json (results:
+PYTHONPATH=. python3 lab/explore10.py; writes $OUT/explore10.json (results:
 bench/results/2026-12-01-s5-explore10-h200.json; its "gather" row is the torch index_select the script used,
 the library's path uses `gather_cache`). On a CPU: toy shapes.
 """
@@ -16,12 +16,10 @@ import explore1 as e1  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-import ioattn.ops.paged as paged  # noqa: E402
-from ioattn.bench.decode import _graphed, chunked_prefill_inputs  # noqa: E402
+from ioattn.bench.decode import capture_graph, chunked_prefill_inputs, paged_pool  # noqa: E402
 from ioattn.ops.paged import paged_attention, paged_workspace  # noqa: E402
 from ioattn.reference import attention_ref, rel_error  # noqa: E402
 
-save = e1.save_as("explore10")
 DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
 
 
@@ -68,7 +66,7 @@ def prefill_section():
             print("prefill", name, round(ms * 1e3, 1), "us", round(flops / ms / 1e9, 1), "TFLOP/s", err, flush=True)
         except Exception as exc:  # noqa: BLE001
             e1.record_error("prefill", name, exc)
-        save()
+        e1.save()
 
 
 def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=None, layouts=(("paged", 16),),
@@ -76,8 +74,9 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
     """Per-layer µs of paged_attention over `layers` cache copies in one graph, per (B, L), layout, split count,
     decode config and combine launch. layouts: (name, block size) pairs, "paged" shuffled through the pool,
     anything else in order; configs: `PagedConfig`s (None = the default); dependent_options: values of
-    `ioattn.ops.paged.DEPENDENT_COMBINE` (None leaves it). check_graph replays the timed graph once more on a
-    NaN-poisoned output and checks that output; profile adds the torch-profiler kernel list of 5 replays."""
+    paged_attention's `dependent_combine` (None: its default, by programmatic dependent launch on sm_90+; False:
+    in stream order). check_graph replays the timed graph once more on a NaN-poisoned output and checks that
+    output; profile adds the torch-profiler kernel list of 5 replays."""
     hq, hkv = heads or ((4, 4) if TINY else (32, 32))
     d = 64 if TINY else 128
     layers = layers or (2 if TINY else 32)
@@ -85,18 +84,17 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
                                                                                  [(8, 16384), (8, 32768)]))
                                             for lay in layouts):
         q, k, v, lens, ref, kv_bytes = e1.decode_inputs(batch, length, hq, hkv, d)
-        k_cache, v_cache, table = e1.paged_pool(k, v, page, layout == "paged")
+        k_cache, v_cache, table = paged_pool(k, v, page, layout == "paged")
         del k, v
         copies = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
         for splits, config, dependent in itertools.product(split_counts, configs, dependent_options):
-            if dependent is not None:
-                paged.DEPENDENT_COMBINE = dependent
             ws = paged_workspace(batch, hq, d, max_splits=splits, device=DEV)
             out = torch.full_like(q, float("nan"))
 
-            def fwd(splits=splits, ws=ws, out=out, config=config):
+            def fwd(splits=splits, ws=ws, out=out, config=config, dependent=dependent):
                 for kc, vc in copies:
-                    paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits, config=config)
+                    paged_attention(q, kc, vc, table, lens, out=out, workspace=ws, num_splits=splits, config=config,
+                                    dependent_combine=dependent)
                 return out
             what = (batch, length, layout, splits, config_name(config), dependent)
             try:
@@ -108,7 +106,7 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
                 if dependent is not None:
                     row["dependent_combine"] = dependent
                 if check_graph or profile:
-                    graphed, _ = _graphed(fwd, DEV)
+                    graphed, _ = capture_graph(fwd, DEV)
                 if check_graph:
                     out.fill_(float("nan"))
                     graphed()
@@ -122,8 +120,7 @@ def decode_section(heads=None, shapes=None, split_counts=(1, 2, 3, 4), layers=No
                       row.get("graph_error", ""), row.get("kernels", ""), flush=True)
             except Exception as exc:  # noqa: BLE001
                 e1.record_error("decode", what, exc)
-            save()
-        paged.DEPENDENT_COMBINE = True
+            e1.save()
         del copies
         e1.sync()
 
@@ -134,9 +131,10 @@ def config_name(config):
 
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "bench/explore/explore10.py")
+    e1.save_as("explore10")
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "lab/explore10.py")
     e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(DEV, [BF16])
     prefill_section()
     decode_section()
-    save()
+    e1.save()
     print(e1.RESULTS["errors"])

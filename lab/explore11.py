@@ -6,7 +6,7 @@
 - B=1 L=32k: split counts 32-132, per layer over 32 copies and as a lone call (layers=1), beside the device copy
   of the same 134 MB as a lone call (what a lone call can reach at this size at all).
 
-PYTHONPATH=. python3 bench/explore/explore11.py; writes $OUT/explore11.json. On a CPU: toy shapes.
+PYTHONPATH=. python3 lab/explore11.py; writes $OUT/explore11.json. On a CPU: toy shapes.
 """
 import os
 import sys
@@ -17,8 +17,6 @@ import explore10 as e10  # noqa: E402
 
 import torch  # noqa: E402
 
-save = e1.save_as("explore11")
-
 
 def copy_section(nbytes: int) -> None:
     """Lone-call device copy of nbytes (read + written counted as in the harness ceiling)."""
@@ -28,11 +26,12 @@ def copy_section(nbytes: int) -> None:
     e1.RESULTS.setdefault("copy", []).append({"bytes": nbytes, "us": ms * 1e3, "tbps": 2 * nbytes / ms / 1e9,
                                               "how": how})
     print("copy", nbytes, round(ms * 1e3, 1), "us", round(2 * nbytes / ms / 1e9, 2), "TB/s", flush=True)
-    save()
+    e1.save()
 
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "bench/explore/explore11.py")
+    e1.save_as("explore11")
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "lab/explore11.py")
     e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(e1.DEV, [e1.BF16])
     layouts = (("paged", 16), ("contig", 256 if not e1.TINY else 16))
     short = [(1, 256)] if e1.TINY else [(1, 1024), (1, 4096), (8, 1024), (8, 4096)]
@@ -43,5 +42,5 @@ if __name__ == "__main__":
         e10.decode_section(heads=(4, 2) if e1.TINY else (32, 8), shapes=long_shape,
                            split_counts=(2,) if e1.TINY else (32, 48, 64, 96, 132), layers=layers, layouts=layouts)
     copy_section(1 << 20 if e1.TINY else 134217728)
-    save()
+    e1.save()
     print(e1.RESULTS["errors"])

@@ -2,7 +2,7 @@
 
 - Split counts past the 512-keys-per-split floor where explore11 did not reach: 32/8 heads B=1 at L = 4k and
   16k, 32/32 heads B=1 at L = 1k and 4k (per layer over 32 cache copies, page 16 shuffled).
-- The split combine launched by programmatic dependent launch (`ioattn.ops.paged.DEPENDENT_COMBINE`) against
+- The split combine launched by programmatic dependent launch (paged_attention's `dependent_combine`) against
   the plain ordered launch, per layer and as a lone call; each CUDA graph is replayed once more on a
   NaN-poisoned output and checked against the float64 reference (the dependent launch inside a graph).
 - Read-only ceiling: a streaming Triton sum over 2 GiB and over 134 MB (B=1 L=32k's K+V) as a lone call, next
@@ -11,7 +11,7 @@
 The decode rows run through explore10's `decode_section` (merged into it after the recorded run: the
 same measurement, a few more fields per row).
 
-PYTHONPATH=. python3 bench/explore/explore12.py; writes $OUT/explore12.json (results:
+PYTHONPATH=. python3 lab/explore12.py; writes $OUT/explore12.json (results:
 bench/results/2026-12-01-s6-explore12-h200.json). On a CPU: toy shapes.
 """
 import os
@@ -25,8 +25,6 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-
-save = e1.save_as("explore12")
 DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
 
 
@@ -65,7 +63,7 @@ def read_section(nbytes_list, shapes=((1024, 4, 4), (2048, 4, 4), (1024, 8, 4), 
                 e1.record_error("read", (nbytes, block, unroll, warps), exc)
         del x
         e1.sync()
-        save()
+        e1.save()
 
 
 def decode_rows(heads, shapes, split_counts, layers, dependent_options):
@@ -75,7 +73,8 @@ def decode_rows(heads, shapes, split_counts, layers, dependent_options):
 
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "bench/explore/explore12.py")
+    e1.save_as("explore12")
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "lab/explore12.py")
     e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(DEV, [BF16])
     read_section([1 << 20] if TINY else [1 << 31, 134217728])
     both = (True, False)
@@ -91,5 +90,5 @@ if __name__ == "__main__":
         decode_rows((32, 8), [(1, 131072)], (32, 64), 16, both)
         decode_rows((32, 32), [(1, 1024)], (2, 4, 8, 16), 32, both)
         decode_rows((32, 32), [(1, 4096)], (4, 8, 16, 32, 64), 32, both)
-    save()
+    e1.save()
     print(e1.RESULTS["errors"])

@@ -9,7 +9,7 @@
 The decode rows run through explore10's `decode_section` (merged into it after the recorded run: the
 same measurement, a few more fields per row).
 
-PYTHONPATH=. python3 bench/explore/explore13.py; writes $OUT/explore13.json (results:
+PYTHONPATH=. python3 lab/explore13.py; writes $OUT/explore13.json (results:
 bench/results/2026-12-01-s6-explore13-h200.json). On a CPU: toy shapes.
 """
 import os
@@ -23,9 +23,8 @@ import explore12 as e12  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-import ioattn.ops.paged as paged  # noqa: E402
+from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
-save = e1.save_as("explore13")
 DEV, BF16, TINY = e1.DEV, e1.BF16, e1.TINY
 
 
@@ -50,13 +49,13 @@ def backward_profile(batch, n, heads, d, causal):
         print("bwd", batch, n, causal, row["kernels"], flush=True)
     except Exception as exc:  # noqa: BLE001
         e1.record_error("bwd", (batch, n, causal), exc)
-    save()
+    e1.save()
 
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "bench/explore/explore13.py")
+    e1.save_as("explore13")
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(DEV, "lab/explore13.py")
     e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(DEV, [BF16])
-    C = paged.PagedConfig
     e12.read_section([1 << 20] if TINY else [1 << 31, 134217728],
                      ((4096, 4, 8), (8192, 4, 8), (8192, 8, 8), (16384, 4, 16), (4096, 16, 4)))
     if TINY:
@@ -70,5 +69,5 @@ if __name__ == "__main__":
         backward_profile(8, 2048, 16, 128, False)
         backward_profile(1, 16384, 16, 128, False)
         backward_profile(8, 2048, 16, 128, True)
-    save()
+    e1.save()
     print(e1.RESULTS["errors"])

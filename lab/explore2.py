@@ -1,6 +1,6 @@
 """Device exploration 2: register caps for the paged kernels, pointer-load forward tiles, backward stages.
 
-PYTHONPATH=. python3 bench/explore/explore2.py [sections]; writes $OUT/explore2.json (same checks as explore1).
+PYTHONPATH=. python3 lab/explore2.py [sections]; writes $OUT/explore2.json (same checks as explore1).
 Results: bench/results/2026-12-01-explore2-h200.json.
 """
 import os
@@ -12,15 +12,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
 
+from ioattn.kernels.combine import combine_splits_kernel  # noqa: E402
+from ioattn.ops.backward import BwdConfig as B  # noqa: E402
+from ioattn.ops.forward import FwdConfig as F  # noqa: E402
 from ioattn.ops.paged import PagedConfig as C  # noqa: E402
 
-e1.RESULTS["name"] = "explore2"
-
-
-save = e1.save_as("explore2")
-
-e1.DECODE_SHAPES = [(1, 512), (3, 256)] if e1.TINY else [(1, 32768), (1, 131072), (8, 32768), (64, 1024), (256, 1024),
-                                                         (64, 4096)]
+DECODE_SHAPES = [(1, 512), (3, 256)] if e1.TINY else [(1, 32768), (1, 131072), (8, 32768), (64, 1024), (256, 1024),
+                                                      (64, 4096)]
 
 
 def decode_configs():
@@ -39,14 +37,13 @@ def decode_configs():
     }
 
 
-e1.decode_configs = decode_configs
-e1.SPLIT_SWEEP_CONFIGS = ("base", "n64w4s2r80", "n128w8s2r80", "n32w4s2r64")
-e1.SPLIT_SWEEP = (3,) if e1.TINY else (24, 48, 66, 99)
+SPLIT_SWEEP_CONFIGS = ("base", "n64w4s2r80", "n128w8s2r80", "n32w4s2r64")
+SPLIT_SWEEP = (3,) if e1.TINY else (24, 48, 66, 99)
 
 
 def combine_section():
-    """The second launch of an unfused split: the combine kernel alone at B=1, 32 heads."""
-    from ioattn.kernels.combine import combine_splits_kernel
+    """The second launch of an unfused split: the combine kernel alone at B=1, 32 heads (launched as
+    `ioattn.ops.paged.paged_attention` launches it in stream order: no public call runs it alone)."""
     for splits in (16, 33, 66, 99):
         po = torch.randn(splits, 1, 32, 128, device=e1.DEV)
         pl = torch.randn(splits, 1, 32, device=e1.DEV)
@@ -60,7 +57,7 @@ def combine_section():
                                           BLOCK_S=1 << (splits - 1).bit_length())
         ms, how = e1.timed(run)
         e1.RESULTS.setdefault("combine", []).append({"splits": splits, "us": ms * 1e3, "how": how})
-        save()
+        e1.save()
 
 
 def prefill_configs():
@@ -77,7 +74,6 @@ def prefill_configs():
 
 
 def fwd_cases():
-    from ioattn.ops.forward import FwdConfig as F
     if e1.TINY:
         return [(64, 128, c, [F(32, 32, 4, 1, tma=False)]) for c in (False, True)]
     return [
@@ -93,7 +89,6 @@ def fwd_cases():
 
 
 def bwd_configs():
-    from ioattn.ops.backward import BwdConfig as B
     return {64: [B(64, 64, 64, 64, 4, 3, False), B(64, 64, 64, 64, 4, 4, False), B(128, 64, 128, 64, 8, 3, False),
                  B(128, 64, 128, 64, 8, 4, False)],
             128: [B(128, 64, 128, 64, 8, 3, False), B(128, 64, 128, 64, 8, 4, False), B(64, 64, 64, 64, 8, 4, False)]}
@@ -105,10 +100,14 @@ def bwd_section():
 
 
 if __name__ == "__main__":
+    e1.save_as("explore2")
+    e1.RESULTS["name"] = "explore2"
+    e1.DECODE_SHAPES, e1.decode_configs = DECODE_SHAPES, decode_configs
+    e1.SPLIT_SWEEP_CONFIGS, e1.SPLIT_SWEEP = SPLIT_SWEEP_CONFIGS, SPLIT_SWEEP
     sections = sys.argv[1:] or ["decode", "combine", "prefill", "fwd", "bwd"]
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "exp/explore2.py " + " ".join(sections))
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "lab/explore2.py " + " ".join(sections))
     e1.RESULTS["ceilings"] = e1.harness.measure_ceilings(e1.DEV, [e1.BF16])
-    save()
+    e1.save()
     table = {"decode": e1.decode_section, "combine": combine_section, "prefill": None, "fwd": None, "bwd": bwd_section}
     for section in sections:
         t = time.time()
@@ -122,5 +121,5 @@ if __name__ == "__main__":
         except Exception as exc:  # noqa: BLE001
             e1.record_error(section, "section", exc)
         e1.RESULTS[f"{section}_seconds"] = time.time() - t
-        save()
+        e1.save()
     print({k: round(v) for k, v in e1.RESULTS.items() if k.endswith("_seconds")})

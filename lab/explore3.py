@@ -1,6 +1,6 @@
 """Device exploration 3: split counts at mid batch, the paged-prefill gather cost (page 16/64/256), graph overhead.
 
-PYTHONPATH=. python3 bench/explore/explore3.py; writes $OUT/explore3.json.
+PYTHONPATH=. python3 lab/explore3.py; writes $OUT/explore3.json.
 Results: bench/results/2026-12-01-explore3-h200.json.
 """
 import os
@@ -12,14 +12,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import explore1 as e1  # noqa: E402
 
-from ioattn.ops.paged import PagedConfig as C  # noqa: E402
+from ioattn.bench import harness  # noqa: E402
+from ioattn.bench.decode import paged_pool  # noqa: E402
+from ioattn.ops.paged import PagedConfig as C, paged_attention  # noqa: E402
+from ioattn.reference import attention_ref, rel_error  # noqa: E402
+
+DECODE_SHAPES = [(3, 256)] if e1.TINY else [(64, 1024), (64, 4096), (8, 4096), (8, 32768), (1, 32768)]
+SPLIT_SWEEP = (2,) if e1.TINY else (2, 3, 4, 8, 16, 25, 48, 64)
 
 
-save = e1.save_as("explore3")
-e1.DECODE_SHAPES = [(3, 256)] if e1.TINY else [(64, 1024), (64, 4096), (8, 4096), (8, 32768), (1, 32768)]
-e1.decode_configs = lambda: {"base": C(16, 64, 4, 2)}
-e1.SPLIT_SWEEP_CONFIGS = ("base",)
-e1.SPLIT_SWEEP = (2,) if e1.TINY else (2, 3, 4, 8, 16, 25, 48, 64)
+def decode_configs():
+    return {"base": C(16, 64, 4, 2)}
 
 
 def graph_overhead_section():
@@ -28,14 +31,10 @@ def graph_overhead_section():
     for name, fn in (("tiny_kernel", lambda: x.add_(1)),):
         ms, how = e1.timed(fn)
         e1.RESULTS.setdefault("overhead", []).append({"what": name, "us": ms * 1e3, "how": how})
-    save()
+    e1.save()
 
 
 def prefill_gather_section():
-    from ioattn.bench import harness
-    from ioattn.bench.decode import paged_pool
-    from ioattn.ops.paged import paged_attention
-    from ioattn.reference import attention_ref, rel_error
     hq, hkv, d, new, ctx = (4, 2, 64, 64, 64) if e1.TINY else (32, 8, 128, 4096, 4096)
     total = new + ctx
     torch.manual_seed(5)
@@ -69,18 +68,18 @@ def prefill_gather_section():
                     ms, _ = e1.timed(fwd, 10, 60)
                     entry.update(ms=ms, tflops=harness.tflops(flops, ms))
                 e1.RESULTS["prefill"].append(entry)
-                save()
+                e1.save()
             except Exception as exc:  # noqa: BLE001
                 e1.record_error("prefill", (page, name), exc)
     print("prefill done", flush=True)
 
 
 if __name__ == "__main__":
-    import inspect
-    # explore1 sweeps splits only for batch <= 8: widen to every batch of this run
-    src = inspect.getsource(e1.decode_section).replace("if batch <= 8:", "if True:")
-    exec(compile(src, e1.__file__, "exec"), e1.__dict__)
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "exp/explore3.py")
+    e1.save_as("explore3")
+    e1.DECODE_SHAPES, e1.decode_configs = DECODE_SHAPES, decode_configs
+    e1.SPLIT_SWEEP_CONFIGS, e1.SPLIT_SWEEP = ("base",), SPLIT_SWEEP
+    e1.SPLIT_SWEEP_MAX_BATCH = None  # explore1 sweeps splits only for batch <= 8: every batch of this run
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "lab/explore3.py")
     for name, fn in (("overhead", graph_overhead_section), ("decode", e1.decode_section),
                      ("prefill", prefill_gather_section)):
         t = time.time()
@@ -89,5 +88,5 @@ if __name__ == "__main__":
         except Exception as exc:  # noqa: BLE001
             e1.record_error(name, "section", exc)
         e1.RESULTS[f"{name}_seconds"] = time.time() - t
-        save()
+        e1.save()
     print({k: round(v) for k, v in e1.RESULTS.items() if k.endswith("_seconds")})

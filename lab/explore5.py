@@ -1,5 +1,6 @@
 """Device exploration 5: register-capped forward tiles at the D=64, N=2048 bar rows, with FlexAttention in the
-same run. PYTHONPATH=. python3 bench/explore/explore5.py; writes $OUT/explore5.json."""
+same run. PYTHONPATH=. python3 lab/explore5.py; writes $OUT/explore5.json (results:
+bench/results/2026-12-01-explore5-h200.json)."""
 import os
 import sys
 
@@ -8,9 +9,6 @@ import explore1 as e1  # noqa: E402
 
 from ioattn.ops.forward import FwdConfig as F  # noqa: E402
 
-
-save = e1.save_as("explore5")
-e1.WITH_FLEX = not e1.TINY
 CASES = [(64, 128, c, [F(32, 32, 4, 1, maxnreg=128)]) for c in (False, True)] if e1.TINY else [
     (64, 2048, False, [F(128, 64, 4, 3, tma=False), F(128, 64, 4, 3, maxnreg=168), F(128, 64, 4, 3, tma=False, maxnreg=168),
                        F(128, 128, 4, 3), F(128, 64, 4, 2, maxnreg=168), F(128, 64, 4, 4, maxnreg=168)]),
@@ -19,8 +17,10 @@ CASES = [(64, 128, c, [F(32, 32, 4, 1, maxnreg=128)]) for c in (False, True)] if
 ]
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "bench/explore/explore5.py")
+    e1.save_as("explore5")
+    e1.WITH_FLEX = not e1.TINY
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "lab/explore5.py")
     e1.fwd_section(cases=CASES)
-    save()
+    e1.save()
     for r in e1.RESULTS["fwd"]:
         print(r["D"], r["N"], r["causal"], r["variant"], round(r.get("tflops", 0), 1))

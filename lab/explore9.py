@@ -4,7 +4,7 @@ composition (rows, decode rows, prefill tokens, graph or eager) and its GPU time
 `ModelRunner.execute`, stream-ordered, so host stalls between steps do not count), and a torch-profiler kernel
 table over a few mixed (prefill + decode) steps and a few decode-only steps.
 
-PYTHONPATH=. python3 bench/explore/explore9.py [--cold] [max_num_batched_tokens ...]; writes $OUT/explore9.json.
+PYTHONPATH=. python3 lab/explore9.py [--cold] [max_num_batched_tokens ...]; writes $OUT/explore9.json.
 Every Triton kernel-cache miss is recorded with the step it happened in (`compiles_in_run`: after the warm-up,
 each one a stall); --cold starts from an empty Triton cache. On a
 CPU it runs the `tiny` model with a short workload (a dry run of the script's logic). Results:
@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 
-if "--cold" in sys.argv:  # an empty Triton cache: every compile costs what it costs on a fresh machine
+# --cold: an empty Triton cache (set before triton loads), so every compile costs what it costs on a fresh machine
+if __name__ == "__main__" and "--cold" in sys.argv:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
     sys.argv.remove("--cold")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -26,11 +27,10 @@ import explore1 as e1  # noqa: E402
 
 import torch  # noqa: E402
 
+import ioattn  # noqa: E402
 from ioattn.bench.serve import make_workload  # noqa: E402
-from ioattn.bench.serve_offline import WARMUP_REQUESTS, Pacing, _release_device, _run_engine  # noqa: E402
-from ioattn.engine.llm import LLM  # noqa: E402
+from ioattn.bench.serve_offline import WARMUP_REQUESTS, Pacing, release_device, run_engine  # noqa: E402
 
-save = e1.save_as("explore9")
 MODEL = "tiny" if e1.TINY else "llama3-8b-shape"
 NUM_REQUESTS = 8 if e1.TINY else 256
 OUTPUT_LEN = 8 if e1.TINY else 256
@@ -132,14 +132,14 @@ class StepTrace:
 def run(max_batched: int) -> dict:
     work = make_workload(NUM_REQUESTS, (100, 1024), (OUTPUT_LEN, OUTPUT_LEN), 0)
     warm = make_workload(WARMUP_REQUESTS, (100, 1024), (4, 4), 1)
-    llm = LLM(MODEL, max_num_seqs=256, max_num_batched_tokens=max_batched, device=e1.DEV)
+    llm = ioattn.LLM(MODEL, max_num_seqs=256, max_num_batched_tokens=max_batched, device=e1.DEV)
     try:
         engine = llm.engine
         PHASE["name"] = "warm-up"
-        _run_engine(engine, warm, 0.0, Pacing.all_at_once(warm))
+        run_engine(engine, warm, 0.0, Pacing.all_at_once(warm))
         PHASE["name"] = "run"
         trace = StepTrace(engine.runner)
-        result = _run_engine(engine, work, 0.0, Pacing.all_at_once(work))
+        result = run_engine(engine, work, 0.0, Pacing.all_at_once(work))
         result.pop("first_tokens")
         steps = trace.rows()
         result["steps_trace"] = steps
@@ -158,11 +158,12 @@ def run(max_batched: int) -> dict:
     finally:
         llm.shutdown()
         del llm
-        _release_device()
+        release_device()
 
 
 if __name__ == "__main__":
-    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "bench/explore/explore9.py")
+    e1.save_as("explore9")
+    e1.RESULTS["disclosure"] = e1.harness.collect_disclosure(e1.DEV, "lab/explore9.py")
     e1.RESULTS["serve"] = []
     _watch_compiles()
     for budget in [int(a) for a in sys.argv[1:]] or [2048]:
@@ -180,4 +181,4 @@ if __name__ == "__main__":
         except Exception as exc:  # noqa: BLE001
             e1.RESULTS["errors"].append({"budget": budget, "error": repr(exc)})
             print("error", budget, repr(exc), flush=True)
-        save()
+        e1.save()

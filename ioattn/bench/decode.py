@@ -101,8 +101,10 @@ def _contiguous_block(seqlen: int) -> int:
     return math.gcd(seqlen, CONTIGUOUS_BLOCK)
 
 
-def _graphed(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str]:
-    """Capture `fn` in a CUDA graph when possible (µs-scale kernels would otherwise time Python); else eager."""
+def capture_graph(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str]:
+    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream), so that timing µs-scale kernels
+    times the GPU, not Python's launches: (the graph's replay, "CUDA graph"). On a CPU, or if capture fails,
+    (fn itself, "eager" or "eager (<error> in graph capture)"). A benchmark hook: `lab/` times through it too."""
     if not device.startswith("cuda"):
         return fn, "eager"
     try:
@@ -134,7 +136,14 @@ def _layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(layers - 1)]
 
 
-def _ioattn_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0, layers=1):
+def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0,
+                        layers=1):
+    """The `ioattn-paged` / `ioattn-contiguous` backend of this benchmark, ready to time (a benchmark hook: `lab/`
+    uses it too). k, v (B, L, Hkv, D) become the pool itself, viewed as blocks of `block` tokens and, if
+    `shuffled`, scattered through it in place; `config` and `num_splits` go to `plan_paged_attention`.
+    Returns (forward, out, plan, restore): forward() runs paged_attention over `layers` copies of the cache into
+    `out` and returns it, plan is the plan it runs, restore() undoes the scatter (call it before k and v are
+    read as dense tensors again)."""
     blocks = case.seqlen // block
     k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
@@ -193,7 +202,7 @@ def _flex_runner(q4, caches):
 
 def _measure(fn, device: str, args, layers: int = 1) -> tuple[float, str]:
     """Milliseconds per layer of `fn`, which runs `layers` of them (in one CUDA graph when it captures)."""
-    graphed, how = _graphed(fn, device)
+    graphed, how = capture_graph(fn, device)
     ms = harness.time_ms(graphed, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).ms / layers
     return ms, how if layers == 1 else f"{how} of {layers} layers"
 
@@ -261,7 +270,7 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
 
 
 def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, add, args, layers: int) -> None:
-    forward, out, plan, restore = _ioattn_runner(case, *inputs, block=block, shuffled=shuffled, layers=layers)
+    forward, out, plan, restore = paged_decode_runner(case, *inputs, block=block, shuffled=shuffled, layers=layers)
     extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block,
              "layers": layers}
     add(name, forward, lambda: out[0], f"paged_attention block {block}, {plan.num_splits} splits", extra)
@@ -293,8 +302,8 @@ def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
 def tune(case: Case, q, k, v, lens, ref, args, layers: int = 1) -> list[dict[str, Any]]:
     """Every decode candidate config (heuristic splits), then every split count in TUNE_SPLITS (default config)."""
     def run_trial(config, splits):
-        forward, out, plan, restore = _ioattn_runner(case, q, k, v, lens, block=PAGED_BLOCK, shuffled=True,
-                                                     config=config, num_splits=splits, layers=layers)
+        forward, out, plan, restore = paged_decode_runner(case, q, k, v, lens, block=PAGED_BLOCK, shuffled=True,
+                                                          config=config, num_splits=splits, layers=layers)
         try:
             ms, _ = _measure(forward, args.device, args, layers)
             return ms, rel_error(out[0], ref), plan

@@ -83,7 +83,9 @@ def _async_scheduling(args) -> bool | None:
     return False if getattr(args, "no_async_scheduling", False) else None
 
 
-def _release_device() -> None:
+def release_device() -> None:
+    """Free what a finished system left on the device (garbage, the caching allocator's blocks) before the next one
+    starts (a benchmark hook: `lab/` uses it too)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -114,20 +116,22 @@ def run_ioattn(work: list[WorkItem], warmup: list[WorkItem], args, scheduling: s
     the batch-B decode step."""
     llm = _llm(args, scheduling, tensor_parallel_size, enforce_eager)
     try:
-        _run_engine(llm.engine, warmup, args.temperature, Pacing.all_at_once(warmup))
-        result = _run_engine(llm.engine, work, args.temperature, pacing or Pacing.all_at_once(work))
+        run_engine(llm.engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        result = run_engine(llm.engine, work, args.temperature, pacing or Pacing.all_at_once(work))
         if decode_batch:
             result["decode_step"] = time_decode_step(llm, work, decode_batch)
         return result
     finally:
         llm.shutdown()
         del llm
-        _release_device()
+        release_device()
 
 
-def _run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing) -> dict:
+def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing) -> dict:
     """Add each request when its pacing allows (its arrival time: its offset, or when a concurrency slot freed),
-    step until all finished; the KV manager is read after every step."""
+    step until all finished; the KV manager is read after every step. Returns the `summarize` figures plus
+    preemptions, prefix hit rate, KV utilization and pool usage, steps, overlapped steps and each request's first
+    token. A benchmark hook: any `LLMEngine` (`LLM(...).engine`) runs through it, as `lab/explore9.py` does."""
     from ioattn.engine.sampling import SamplingParams
 
     before = engine.kv.stats()
@@ -215,7 +219,7 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
     straddle it. The requests never stop by themselves (they are aborted after the timing), so the batch cannot
     shrink while it is timed; prompts prefilled early decode while later ones prefill, so the context actually
     measured is the mean over the requests, reported as such."""
-    from ioattn.engine.runner import ModelRunner
+    from ioattn.engine.attention import PagedAttention
     from ioattn.engine.sampling import SamplingParams
 
     engine = llm.engine
@@ -265,7 +269,7 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
     if not model.config.tie_word_embeddings:  # a decode step reads only its B rows of the embedding table
         rows = model.model.embed_tokens.weight.shape[0]  # this rank's share under tensor parallelism
         weight_bytes -= (rows - min(batch, rows)) * model.config.hidden_size * dtype.itemsize
-    kv_bytes = round(batch * measured_context * ModelRunner.block_bytes(model.config, 1, dtype))
+    kv_bytes = round(batch * measured_context * PagedAttention.block_bytes(model.config, 1, dtype))
     return {"batch": batch, "context_mean": measured_context, "step_ms": period_ms,
             "step_ms_median": statistics.median(times), "steps_timed": len(times),
             "overlapped_steps": engine.num_overlapped_steps - overlapped_before, "weight_bytes": weight_bytes,
@@ -314,13 +318,13 @@ def run_hf(work: list[WorkItem], warmup: list[WorkItem], args) -> dict:
     try:
         model = hf_twin(loaded)
         del loaded  # the twin holds its own copy: our model's memory goes back before the twin sizes its cache
-        _release_device()
+        release_device()
         return _run_hf(model, work, warmup, args, cpu)
     except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
         return {"status": f"unsupported: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"}
     finally:
         del model
-        _release_device()
+        release_device()
 
 
 def _run_hf(model, work: list[WorkItem], warmup: list[WorkItem], args, cpu: bool) -> dict:
@@ -466,18 +470,18 @@ def run_disaggregated(work: list[WorkItem], args) -> dict:
     systems = {}
     engine = LLMEngine(args.model, config)
     try:
-        _run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
-        systems["colocated"] = _run_engine(engine, work, args.temperature, pacing)
+        run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        systems["colocated"] = run_engine(engine, work, args.temperature, pacing)
     finally:
         del engine
-        _release_device()
+        release_device()
     with DisaggregatedEngine(args.model, config) as engine:
-        _run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
+        run_engine(engine, warmup, args.temperature, Pacing.all_at_once(warmup))
         shipped_before = engine.shipped_blocks
-        systems["disaggregated"] = _run_engine(engine, work, args.temperature, pacing)
+        systems["disaggregated"] = run_engine(engine, work, args.temperature, pacing)
         systems["disaggregated"]["shipped_blocks"] = engine.shipped_blocks - shipped_before
     del engine
-    _release_device()
+    release_device()
     return _side_by_side(systems, args.temperature, DISAGG_NOTE)
 
 
