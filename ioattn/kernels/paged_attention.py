@@ -12,7 +12,7 @@ directly. Masking is over logical positions: query at position p sees key k iff 
 (when right >= 0) and (k >= p - left or k < sink_tokens) (when left >= 0). A table entry of -1 (a block an
 eviction policy freed) is never read: masked tiles load only positions whose block id is >= 0.
 
-Loop shape, as Triton 3.6 pipelines it (read off the sm_90 TTGIR with bench/explore/aot.py): the gathered K/V
+Loop shape, as Triton 3.6 pipelines it (read off the sm_90 TTGIR with lab/aot.py): the gathered K/V
 loads get one shared-memory buffer, issued at the end of an iteration and awaited at the start of the next, so
 a program overlaps little of its own load latency; resident programs hide it for each other, which is why the
 decode tile is small (few registers and little shared memory: ~5 programs per SM) and why the split heuristic
