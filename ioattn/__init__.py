@@ -15,7 +15,7 @@ _PUBLIC = {
     "merge_states": "ioattn.ops.paged",
     "copy_blocks": "ioattn.ops.cache",
     "swap_blocks": "ioattn.ops.cache",
-    "LLM": "ioattn.engine.llm",
+    "LLM": "ioattn.llm",
     "LLMEngine": "ioattn.engine.llm_engine",
     "SamplingParams": "ioattn.engine.sampling",
     "BeamSearchParams": "ioattn.engine.sampling",

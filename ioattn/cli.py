@@ -1,4 +1,4 @@
-"""`ioattn demo | generate | serve | bench NAME | explain` — the command-line front of the library.
+"""`ioattn demo | generate | serve | eval | bench NAME | explain` — the command-line front of the library.
 
 `ioattn bench NAME ...` runs `ioattn.bench.NAME.main(argv)`: each benchmark is one module with its own flags.
 Bad arguments end a command with argparse's message and exit status 2, never a traceback: flags are checked
@@ -81,6 +81,7 @@ def _add_explain_command(subparsers) -> None:
 def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser and the `bench` subparser (whose help lists the benchmarks)."""
     # The server module imports its web dependencies only when serving, so `ioattn --help` works without them.
+    from ioattn.eval.cli import add_eval_command
     from ioattn.server.cli import add_serve_command
 
     parser = argparse.ArgumentParser(prog="ioattn", description=__doc__.splitlines()[0])
@@ -90,6 +91,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     demo.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     _add_generate_command(sub)
     add_serve_command(sub)
+    add_eval_command(sub)
     benchmarks = ", ".join(_benchmarks())
     # No help flag of its own: `ioattn bench NAME --help` reaches the benchmark's parser.
     bench = sub.add_parser("bench", help="run a benchmark: " + benchmarks, add_help=False,
@@ -123,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         from ioattn.server.cli import run_serve
 
         return run_serve(args)
+    if args.command == "eval":
+        from ioattn.eval.cli import run_eval
+
+        return run_eval(args)
     return _explain(args)
 
 
@@ -155,7 +161,7 @@ def _fail(command: str, message: str) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ioattn.engine import LLM, BeamSearchParams, SamplingParams
+    from ioattn import LLM, BeamSearchParams, SamplingParams
     from ioattn.models.loader import load_model
 
     prompts = list(args.prompt)

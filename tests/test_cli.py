@@ -164,8 +164,6 @@ def test_serve_and_explain_bad_arguments_exit_2_without_traceback(argv, message,
     assert "Traceback" not in captured.err and captured.out == ""
 
 
-@pytest.mark.xfail(strict=True, reason="ioattn/engine/llm_engine.py: the CPU default KV pool, max(256 MiB, one "
-                   "max_model_len), leaves no room for the admission watermark, so smollm2 (8192 context) is refused")
 def test_generate_on_the_default_model_answers(capsys):
     status = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
                    "--max-tokens", "12"])

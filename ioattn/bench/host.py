@@ -34,7 +34,8 @@ from ioattn.bench.serve import PROMPT_ID_RANGE
 
 
 def _engine(args, batch: int):
-    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+    from ioattn.engine.config import EngineConfig
+    from ioattn.engine.llm_engine import LLMEngine
     from ioattn.models import build_model
     from ioattn.models.loader import LoadedModel, resolve_dtype
     from ioattn.models.presets import PRESETS, randomize_weights

@@ -70,7 +70,7 @@ def warmup_workload(work: list[WorkItem], seed: int) -> list[WorkItem]:
 
 
 def _llm(args, scheduling: str, tensor_parallel_size: int, enforce_eager: bool = False):
-    from ioattn.engine.llm import LLM
+    from ioattn.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -461,7 +461,8 @@ def run_disaggregated(work: list[WorkItem], args) -> dict:
     run, `step()` blocks until a transfer arrives, so requests arriving meanwhile reach the prefill worker late
     (their TTFT still counts from their arrival). `--concurrency` alone has no such wait: no slot frees then."""
     from ioattn.distributed import DisaggregatedEngine
-    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+    from ioattn.engine.config import EngineConfig
+    from ioattn.engine.llm_engine import LLMEngine
 
     config = EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,

@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from ioattn.distributed.parallel_state import DEFAULT_TIMEOUT_S, destroy_distributed, free_port, init_distributed
 from ioattn.distributed.worker import JOIN_TIMEOUT_S, WorkerDiedError
-from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+from ioattn.engine.config import EngineConfig
+from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
 from ioattn.engine.sequence import RequestMetrics, RequestOutput
 from ioattn.kv.prefix_hash import DIGEST_SIZE

@@ -31,8 +31,8 @@ from ioattn.distributed.parallel_state import (
     init_distributed,
 )
 from ioattn.distributed.tp import load_tensor_parallel
-from ioattn.engine.llm_engine import CPU_KV_CACHE_BYTES, EngineConfig, LLMEngine
-from ioattn.engine.attention import PagedAttention
+from ioattn.engine.config import EngineConfig, build_attention, build_runner, resolve_settings
+from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.models.loader import LoadedModel
 
@@ -68,21 +68,10 @@ class WorkerSpec:
     timeout_s: float
 
 
-def kv_pool_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int) -> int:
-    """The KV pool size every rank agrees on: config.num_blocks, else the engine's CPU default, else (CUDA) the
-    least that each rank's profile leaves room for. On CUDA every rank must call it (it runs collectives)."""
-    if config.num_blocks:
-        return config.num_blocks
-    block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, loaded.model.model.norm.weight.dtype)
-    if loaded.model.inv_freq.device.type != "cuda":
-        return max(CPU_KV_CACHE_BYTES // block_bytes, -(-max_model_len // config.block_size))
-    least = 2048 if config.enable_chunked_prefill else max_model_len
-    num_blocks = ModelRunner.profile_num_blocks(
-        loaded.model, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_batched_tokens=config.max_num_batched_tokens or max(least, config.max_num_seqs),
-        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-    )
-    agreed = torch.tensor([num_blocks], device=loaded.model.inv_freq.device)
+def agree_min(value: int) -> int:
+    """The least `value` over the ranks (every rank calls it: a collective)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    agreed = torch.tensor([value], device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
     return int(agreed.item())
 
@@ -91,12 +80,9 @@ def _worker_main(rank: int, world_size: int, port: int, spec: WorkerSpec) -> Non
     state = init_distributed(rank, world_size, port, spec.device_type, spec.timeout_s)
     try:
         loaded = load_tensor_parallel(spec.model, rank, world_size, spec.config.dtype, state.device)
-        max_model_len = spec.config.max_model_len or loaded.max_model_len
-        kv_pool_blocks(loaded, spec.config, max_model_len)
-        shape = broadcast_object()
-        attention = PagedAttention(loaded.config, device=state.device, dtype=loaded.model.model.norm.weight.dtype,
-                                   **shape["attention"])
-        runner = ModelRunner(loaded.model, attention, **shape["runner"])
+        settings = resolve_settings(spec.config, loaded, agree_min)
+        attention = build_attention(loaded.config, settings, spec.config)
+        runner = build_runner(loaded.model, attention, settings, spec.config, use_cuda_graphs=False)
         while (plan := broadcast_object()) is not None:
             run_plan(runner, plan)
     finally:
@@ -143,17 +129,9 @@ class TensorParallelEngine(LLMEngine):
         try:
             state = init_distributed(0, tensor_parallel_size, port, device.type, timeout_s, self.check_workers)
             loaded = load_tensor_parallel(model, 0, tensor_parallel_size, config.dtype, state.device)
-            max_model_len = config.max_model_len or loaded.max_model_len
-            num_blocks = self._guarded(kv_pool_blocks, loaded, config, max_model_len)
-            super().__init__(loaded, dataclasses.replace(config, num_blocks=num_blocks, enforce_eager=True,
-                                                         async_scheduling=False, device=state.device))
-            self._guarded(broadcast_object, dict(
-                attention=dict(num_blocks=num_blocks, block_size=config.block_size, num_cpu_blocks=self.kv.cpu.num_blocks,
-                               max_num_seqs=config.max_num_seqs, backend=config.attention_backend),
-                runner=dict(max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs, use_cuda_graphs=False,
-                            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens),
-            ))
-            self.runner = DriverRunner(self.runner, self)
+            config = dataclasses.replace(config, enforce_eager=True, async_scheduling=False, device=state.device)
+            settings = self._guarded(resolve_settings, config, loaded, agree_min)
+            super().__init__(loaded, config, settings=settings)
             self._serving = True
         except BaseException:
             self.shutdown()
@@ -211,6 +189,11 @@ class TensorParallelEngine(LLMEngine):
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+    def _build_runner(self):
+        """Rank 0's shard runs behind a driver that first broadcasts each step plan to the workers."""
+        return DriverRunner(super()._build_runner(), self)
 
 
 class DriverRunner:

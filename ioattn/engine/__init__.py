@@ -6,9 +6,8 @@ importing one module (e.g. the sampler in a test) does not load the others.
 """
 
 _PUBLIC = {
-    "LLM": "ioattn.engine.llm",
     "LLMEngine": "ioattn.engine.llm_engine",
-    "EngineConfig": "ioattn.engine.llm_engine",
+    "EngineConfig": "ioattn.engine.config",
     "RequestOutput": "ioattn.engine.sequence",
     "CompletionOutput": "ioattn.engine.sequence",
     "RequestMetrics": "ioattn.engine.sequence",

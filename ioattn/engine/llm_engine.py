@@ -49,128 +49,45 @@ import math
 import os
 import time
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from ioattn.engine.async_step import LaunchedStep
 from ioattn.engine.outputs import Request, request_output
-from ioattn.engine.attention import PagedAttention
-from ioattn.engine.runner import Batch, ModelRunner
+from ioattn.engine.config import EngineConfig, EngineSettings, build_attention, build_runner, resolve_settings
+from ioattn.engine.runner import Batch
 from ioattn.engine.sampling import (BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker,
                                     is_int, as_real)
-from ioattn.engine.scheduler import (MODES, POLICIES, PREEMPTION_MODES, ScheduledChunk, Scheduler, SchedulerConfig,
-                                     SchedulerOutput)
+from ioattn.engine.scheduler import (ScheduledChunk, Scheduler, SchedulerOutput)
 from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
 from ioattn.engine.transfer import HostCopy, to_device
 from ioattn.kv import PLACEHOLDER, KVCacheManager
 from ioattn.kv.manager import all_token_ids
 from ioattn.models.loader import LoadedModel, load_model
 
-# KV pool on a CPU device when num_blocks is not given (there is no device memory to profile).
-CPU_KV_CACHE_BYTES = 256 << 20
-GiB = 1 << 30
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything `LLMEngine` needs besides the model; `LLM(...)` keyword arguments land here."""
-
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    block_size: int = 16
-    num_blocks: int | None = None  # default: from gpu_memory_utilization (CUDA) or CPU_KV_CACHE_BYTES
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # default: max(2048, max_num_seqs), or max_model_len unchunked
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    policy: str = "fcfs"
-    scheduling: str = "continuous"  # or "static": the contiguous-reservation baseline
-    swap_space: float = 4.0  # GiB of CPU blocks for preemption_mode="swap"
-    watermark: float = 0.01
-    enforce_eager: bool = False  # True: no CUDA graphs
-    # Schedule step t+1 while step t runs (see the module docstring); None: on (True and None differ only in
-    # engines that cannot overlap: tensor parallelism refuses True).
-    async_scheduling: bool | None = None
-    attention_backend: str = "auto"  # "triton" paged kernels (CUDA default), "torch" exact path (CPU default)
-    device: str | torch.device | None = None
-
-    def __post_init__(self):
-        def require(ok: bool, name: str, allowed: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-
-        for name in ("max_model_len", "num_blocks", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            require(value is None or (is_int(value) and value >= 1), name, "None or an int >= 1")
-        require(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1")
-        require(0 < as_real(self.gpu_memory_utilization) <= 1, "gpu_memory_utilization", "in (0, 1]")
-        block_size = self.block_size
-        require(is_int(block_size) and block_size >= 1 and block_size & (block_size - 1) == 0, "block_size",
-                "a power of two >= 1")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
-            require(isinstance(getattr(self, name), bool), name, "True or False")
-        for name, allowed in (("preemption_mode", PREEMPTION_MODES), ("policy", POLICIES), ("scheduling", MODES)):
-            require(isinstance(getattr(self, name), str) and getattr(self, name) in allowed, name, f"one of {allowed}")
-        require(0 <= as_real(self.swap_space) < math.inf, "swap_space", "a finite number of GiB >= 0")
-        # Swap preemption with no CPU pool would fail at the first preemption, inside a step.
-        require(self.preemption_mode != "swap" or self.swap_space > 0, "swap_space",
-                '> 0 GiB with preemption_mode="swap" (the CPU pool swapped-out blocks go to)')
-        require(0 <= as_real(self.watermark) < 1, "watermark", "in [0, 1)")
-        require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
-                "None, True or False")
-
-
 class LLMEngine:
-    def __init__(self, model: str | os.PathLike | LoadedModel = "tiny", config: EngineConfig | None = None, **kwargs):
+    def __init__(self, model: str | os.PathLike | LoadedModel = "tiny", config: EngineConfig | None = None, *,
+                 settings: EngineSettings | None = None, **kwargs):
+        """model: a preset name, a GGUF file, a checkpoint folder or a `LoadedModel`. settings: the resolved
+        settings (`resolve_settings`), when a caller has them already (tensor parallelism agrees on them)."""
         config = config or EngineConfig(**kwargs)
         self.config = config
         loaded = model
         if not isinstance(model, LoadedModel):
             loaded = load_model(model, dtype=config.dtype, device=config.device)
+        self.loaded = loaded
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.vocab_size = loaded.config.vocab_size
-        self.max_model_len = config.max_model_len or loaded.max_model_len
-        if self.max_model_len > loaded.max_model_len:
-            raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's max_position_embeddings "
-                             f"({loaded.max_model_len})")
-        # Without chunking a whole prompt must fit one step.
-        least = 2048 if config.enable_chunked_prefill else self.max_model_len
-        batched = config.max_num_batched_tokens or max(least, config.max_num_seqs)
-        self.scheduler_config = SchedulerConfig(
-            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
-            enable_chunked_prefill=config.enable_chunked_prefill, preemption_mode=config.preemption_mode,
-            policy=config.policy, mode=config.scheduling,
-        )
-        device = self.model.inv_freq.device
-        dtype = self.model.model.embed_tokens.weight.dtype
-        block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, dtype)
-        num_blocks = config.num_blocks or self._default_num_blocks(device, block_bytes, batched)
-        num_cpu_blocks = int(config.swap_space * GiB) // block_bytes if config.preemption_mode == "swap" else 0
-        if config.preemption_mode == "swap" and num_cpu_blocks == 0:
-            raise ValueError(f"swap_space ({config.swap_space!r} GiB) holds no KV block of {block_bytes} bytes: "
-                             'preemption_mode="swap" needs at least one (raise swap_space, or use "recompute")')
-        self.kv = KVCacheManager(num_blocks, config.block_size, num_cpu_blocks=num_cpu_blocks,
+        self.settings = settings = settings or resolve_settings(config, loaded)
+        self.max_model_len = settings.max_model_len
+        self.scheduler_config = settings.scheduler_config(config)
+        self.kv = KVCacheManager(settings.num_blocks, settings.block_size, num_cpu_blocks=settings.num_cpu_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark)
-        # Admission leaves the watermark free, so that is what one sequence of max_model_len must fit in.
-        self._admissible_blocks = num_blocks - self.kv.watermark_blocks
-        if self._admissible_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"num_blocks ({num_blocks}, {self.kv.watermark_blocks} of them the admission watermark) x block_size "
-                f"({config.block_size}) must hold one max_model_len ({self.max_model_len}) sequence"
-            )
+        self._admissible_blocks = settings.admissible_blocks
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
-        self.attention = PagedAttention(
-            loaded.config, num_blocks=num_blocks, block_size=config.block_size, dtype=dtype, device=device,
-            num_cpu_blocks=num_cpu_blocks, max_num_seqs=config.max_num_seqs, backend=config.attention_backend,
-        )
-        self.runner = ModelRunner(
-            self.model, self.attention, max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            use_cuda_graphs=not config.enforce_eager, max_num_batched_tokens=batched,
-        )
+        self.attention = build_attention(loaded.config, settings, config)
+        self.runner = self._build_runner()
         self.sampler = Sampler(self.eos_token_ids)
         self.async_scheduling = config.async_scheduling is not False
         self.requests: dict[str, Request] = {}
@@ -182,14 +99,11 @@ class LLMEngine:
         self.num_overlapped_steps = 0
         self.num_discarded_tokens = 0  # scheduled after a sequence's last token, before that token landed
 
-    def _default_num_blocks(self, device: torch.device, block_bytes: int, max_num_batched_tokens: int) -> int:
-        if device.type != "cuda":
-            return max(CPU_KV_CACHE_BYTES // block_bytes, -(-self.max_model_len // self.config.block_size))
-        return ModelRunner.profile_num_blocks(
-            self.model, block_size=self.config.block_size, gpu_memory_utilization=self.config.gpu_memory_utilization,
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
-            max_model_len=self.max_model_len,
-        )
+    def _build_runner(self):
+        """What executes each step plan (`run(swap_out, swap_in, copies, batch, feed)`): the model runner here;
+        multi-process engines return their own executor."""
+        return build_runner(self.model, self.attention, self.settings, self.config,
+                            use_cuda_graphs=not self.config.enforce_eager)
 
     # -- requests ----------------------------------------------------------------------------------------
 

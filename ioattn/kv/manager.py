@@ -97,6 +97,11 @@ class Sequence:
         return len(self.token_ids)
 
 
+def watermark_blocks(num_blocks: int, watermark: float) -> int:
+    """The blocks admission (`allocate`, `swap_in`) leaves free: a fraction of the pool, rounded down."""
+    return int(watermark * num_blocks)
+
+
 def _check_count(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -137,7 +142,7 @@ class KVCacheManager:
             raise ValueError(f"watermark must be in [0, 1), got {watermark!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.watermark_blocks = int(watermark * num_blocks)
+        self.watermark_blocks = watermark_blocks(num_blocks, watermark)
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
         self.seqs: dict[Hashable, Sequence] = {}

@@ -49,7 +49,8 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
 
 
 def build_app(args: argparse.Namespace):
-    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+    from ioattn.engine.config import EngineConfig
+    from ioattn.engine.llm_engine import LLMEngine
     from ioattn.server.app import create_app
     from ioattn.server.chat_template import ChatTemplate
     from ioattn.server.engine_loop import DEFAULT_MAX_QUEUED_REQUESTS

@@ -13,7 +13,7 @@ pytest.importorskip("safetensors")
 from dist_helpers import packed_logits, run_world
 from hf_checkpoints import save_hf_model
 from ioattn.distributed import ShardPlan, TensorParallelEngine, WorkerDiedError, load_tensor_parallel
-from ioattn.engine import LLM
+from ioattn import LLM
 from ioattn.engine.llm_engine import EngineConfig
 from ioattn.engine.sampling import SamplingParams
 from ioattn.models import load_model

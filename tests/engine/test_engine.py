@@ -13,7 +13,7 @@ from engine_helpers import (
     assert_all_free, cached_reference, greedy, make_engine, next_token_logits, prompt, reference_beam_search,
     reference_greedy, run_all, tiny,
 )
-from ioattn.engine.llm import LLM
+from ioattn.llm import LLM
 from ioattn.engine.sampling import BeamSearch, BeamSearchParams, Sampler, SamplingParams
 
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_helpers import assert_all_free, greedy, make_engine, prompt, run_all, tiny
-from ioattn.engine.llm import LLM
+from ioattn.llm import LLM
 from ioattn.engine.llm_engine import EngineConfig
 from ioattn.engine.sampling import OUTPUT_KINDS, BeamSearch, BeamSearchParams, Sampler, SamplingParams
 from ioattn.engine.scheduler import Scheduler, SchedulerConfig

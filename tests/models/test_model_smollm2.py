@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ioattn.engine import LLM, SamplingParams
+from ioattn import LLM, SamplingParams
 from ioattn.models import DenseCausalAttention, dense_causal_attention, load_model
 from ioattn.models.presets import PRESETS
 from ioattn.reference import rel_error

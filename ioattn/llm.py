@@ -19,7 +19,9 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+from ioattn.distributed.worker import TensorParallelEngine
+from ioattn.engine.config import EngineConfig
+from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import BeamSearchParams, SamplingParams
 from ioattn.engine.sequence import RequestMetrics, RequestOutput
 from ioattn.models.loader import LoadedModel
@@ -58,8 +60,6 @@ class LLM:
         if tensor_parallel_size == 1:
             self.engine = LLMEngine(model, config)
         else:
-            from ioattn.distributed.worker import TensorParallelEngine
-
             self.engine = TensorParallelEngine(model, config, tensor_parallel_size=tensor_parallel_size)
         self.tokenizer = self.engine.tokenizer
         self._request_counter = itertools.count()
