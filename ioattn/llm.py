@@ -23,7 +23,7 @@ from ioattn.distributed.worker import TensorParallelEngine
 from ioattn.engine.config import EngineConfig
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import BeamSearchParams, SamplingParams
-from ioattn.engine.sequence import RequestMetrics, RequestOutput
+from ioattn.engine.outputs import RequestMetrics, RequestOutput
 from ioattn.models.loader import LoadedModel
 
 

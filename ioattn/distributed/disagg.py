@@ -36,7 +36,7 @@ from ioattn.distributed.worker import JOIN_TIMEOUT_S, WorkerDiedError
 from ioattn.engine.config import EngineConfig
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
-from ioattn.engine.sequence import RequestMetrics, RequestOutput
+from ioattn.engine.outputs import RequestMetrics, RequestOutput
 from ioattn.kv.prefix_hash import DIGEST_SIZE
 
 PREFILL, SHIPPED, STOP, STOPPED = "prefill", "shipped", "stop", "stopped"

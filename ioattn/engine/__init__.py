@@ -1,16 +1,18 @@
-"""The serving engine: sequence state, scheduler, model runner, sampling, `LLMEngine` and the `LLM` API.
+"""The serving engine: sequence and request state, scheduler, the attention seam, model runner, sampling, `LLMEngine`.
 
-Data flows one way: `LLM` -> `LLMEngine` -> `Scheduler` -> `ioattn.kv.KVCacheManager` for memory plans, and
-`LLMEngine` -> `ModelRunner` -> `ioattn.models` -> `ioattn.ops` to execute them. Names are imported lazily so that
+Data flows one way: `LLMEngine` -> `Scheduler` -> `ioattn.kv.KVCacheManager` for memory plans, and
+`LLMEngine` -> `ModelRunner` -> `ioattn.models` (whose layers call the `PagedAttention` seam) -> `ioattn.ops` to
+execute them; `EngineConfig` is resolved once into `EngineSettings` (`ioattn.engine.config`). `ioattn.LLM` sits
+above the engine and `ioattn.distributed`. Names are imported lazily so that
 importing one module (e.g. the sampler in a test) does not load the others.
 """
 
 _PUBLIC = {
     "LLMEngine": "ioattn.engine.llm_engine",
     "EngineConfig": "ioattn.engine.config",
-    "RequestOutput": "ioattn.engine.sequence",
-    "CompletionOutput": "ioattn.engine.sequence",
-    "RequestMetrics": "ioattn.engine.sequence",
+    "RequestOutput": "ioattn.engine.outputs",
+    "CompletionOutput": "ioattn.engine.outputs",
+    "RequestMetrics": "ioattn.engine.outputs",
     "SamplingParams": "ioattn.engine.sampling",
     "BeamSearchParams": "ioattn.engine.sampling",
     "Scheduler": "ioattn.engine.scheduler",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ioattn.engine.outputs import Request
+from ioattn.engine.request import Request
 from ioattn.engine.runner import TokenFeed
 from ioattn.engine.sampling import SamplerOutput
 from ioattn.engine.scheduler import ScheduledChunk

@@ -53,13 +53,14 @@ from collections.abc import Iterator, Sequence as Seq
 import torch
 
 from ioattn.engine.async_step import LaunchedStep
-from ioattn.engine.outputs import Request, request_output
+from ioattn.engine.request import Request, request_output
 from ioattn.engine.config import EngineConfig, EngineSettings, build_attention, build_runner, resolve_settings
 from ioattn.engine.runner import Batch
 from ioattn.engine.sampling import (BeamSearch, BeamSearchParams, Sampler, SamplerOutput, SamplingParams, StopChecker,
                                     is_int, as_real)
 from ioattn.engine.scheduler import (ScheduledChunk, Scheduler, SchedulerOutput)
-from ioattn.engine.sequence import RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from ioattn.engine.outputs import RequestMetrics, RequestOutput
+from ioattn.engine.sequence import Sequence, SequenceStatus
 from ioattn.engine.transfer import HostCopy, to_device
 from ioattn.kv import PLACEHOLDER, KVCacheManager
 from ioattn.kv.manager import all_token_ids
@@ -392,7 +393,7 @@ class LLMEngine:
     def _append(self, request: Request, seq: Sequence, position: int, token: int, logprob: float,
                 top: dict | None) -> None:
         seq.token_ids[position] = token
-        if seq.num_reserved_tokens > position:  # the next schedule reserved its slot
+        if self.kv.reserved_tokens(seq.seq_id) > position:  # the next schedule reserved its slot
             self.kv.fill(seq.seq_id, position, token)
         seq.cumulative_logprob += logprob
         if request.params.logprobs is not None:

@@ -1,81 +1,53 @@
-"""A request as the engine tracks it, and the `RequestOutput` built from it after each step that touched it."""
+"""What the engine hands back (vLLM's `RequestOutput` shape): a request's completions so far and its timings."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import torch
-
-from ioattn.engine.sampling import BeamSearch, BeamSearchParams, SamplingParams, StopChecker
-from ioattn.engine.sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence
+from dataclasses import dataclass
 
 
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams | BeamSearchParams
-    # Sampling: one per sample, in index order (one until the prompt forks). Beam search: the running beams,
-    # in the order of `beam.running`.
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    checkers: list[StopChecker] = field(default_factory=list)  # sampling: one per sample
-    generators: list[torch.Generator | None] = field(default_factory=list)  # sampling: one per sample
-    beam: BeamSearch | None = None
-    # Beam search: each running beam's next-token logits, kept until every beam of the request has its row.
-    pending_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+@dataclass
+class RequestMetrics:
+    """Per-request timings, in `time.monotonic()` seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
 
     @property
-    def forked(self) -> bool:
-        return len(self.seqs) == self.params.n
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_output_tokens: int) -> float | None:
+        """Mean gap between output tokens after the first (TPOT); None with fewer than two tokens."""
+        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:
-        if self.beam is not None:
-            return self.beam.done
-        seqs = self.seqs
-        if len(seqs) == 1:  # the common case, without a generator
-            return self.params.n == 1 and seqs[0].is_finished
-        return self.forked and all(seq.is_finished for seq in seqs)
+        return self.finish_reason is not None
 
 
-def request_output(request: Request, finished: bool, tokenizer) -> RequestOutput:
-    """The request's whole output so far (vLLM's cumulative outputs)."""
-    if request.beam is not None:
-        return _beam_output(request, tokenizer)
-    completions = []
-    for seq in request.seqs:
-        checker = request.checkers[seq.index]
-        completions.append(CompletionOutput(
-            index=seq.index,
-            text=checker.text if seq.is_finished else checker.stable_text,
-            # The checker holds exactly the sequence's outputs that have reached the host: copying them skips
-            # the prompt and any token still on its way.
-            token_ids=checker.output_token_ids[:],
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        ))
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                         request.metrics)
-
-
-def _beam_output(request: Request, tokenizer) -> RequestOutput:
-    """Finished: the n best beams, score = sum of logprobs / length ** length_penalty. Running: the beams so far,
-    score = their running sum."""
-    search = request.beam
-    beams = search.best() if search.done else search.running
-    skip_special_tokens = request.params.skip_special_tokens
-    completions = [
-        CompletionOutput(
-            index=i, text=tokenizer.decode(beam.token_ids, skip_special_tokens=skip_special_tokens),
-            token_ids=list(beam.token_ids), cumulative_logprob=beam.score, logprobs=None,
-            finish_reason=None if not search.done else (
-                "stop" if beam.token_ids and beam.token_ids[-1] in search.stop_ids else "length"),
-        )
-        for i, beam in enumerate(beams)
-    ]
-    return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, search.done,
-                         request.metrics)
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]  # the request's own list, shared by all its outputs: read it, do not mutate it
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # Set (and finished True, outputs empty) when the request was refused: the message says why.
+    error: str | None = None

@@ -130,7 +130,6 @@ class Scheduler:
         """A running sequence's sibling sample shares all its blocks (n > 1)."""
         self.kv.fork(parent.seq_id, child.seq_id)
         child.num_computed_tokens = parent.num_computed_tokens
-        child.num_reserved_tokens = parent.num_reserved_tokens
         child.status = SequenceStatus.RUNNING
         self._insert(self.running, child)
 
@@ -172,14 +171,14 @@ class Scheduler:
         scheduled: set[int] = set()
 
         for seq in list(self.running):
-            if (seq.status is SequenceStatus.RUNNING and seq.needs_slot and not seq.finishing
+            if (seq.status is SequenceStatus.RUNNING and self._needs_slot(seq) and not seq.finishing
                     and seq.seq_id not in scheduled):
                 if self._reserve_slot(seq, scheduled, out):
                     budget -= self._schedule(seq, 1, scheduled, out)
         for seq in self.running:
             if budget == 0:
                 break
-            if seq.seq_id not in scheduled and not seq.needs_slot:
+            if seq.seq_id not in scheduled and not self._needs_slot(seq):
                 budget -= self._schedule(seq, budget, scheduled, out)
         if out.preempted:
             return out
@@ -196,12 +195,19 @@ class Scheduler:
             scheduled.add(seq.seq_id)
         return num_tokens
 
+    def _needs_slot(self, seq: Sequence) -> bool:
+        """A sampled token is waiting for its KV slot (a decode step): the KV manager holds fewer tokens."""
+        return self.kv.reserved_tokens(seq.seq_id) < seq.num_tokens
+
+    def _reserve(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Slots for the tokens the KV manager does not hold yet; its copy-on-write pairs, or None (no room)."""
+        return self.kv.append(seq.seq_id, seq.token_ids[self.kv.reserved_tokens(seq.seq_id) :])
+
     def _reserve_slot(self, seq: Sequence, scheduled: set[int], out: SchedulerOutput) -> bool:
         """Reserve the slot of a decode's new token, preempting until it fits; False if seq itself went."""
         while True:
-            copies = self.kv.append(seq.seq_id, seq.token_ids[seq.num_reserved_tokens :])
+            copies = self._reserve(seq)
             if copies is not None:
-                seq.num_reserved_tokens = seq.num_tokens
                 out.copies.extend(copies)
                 return True
             victim = self._victim(scheduled)
@@ -231,7 +237,6 @@ class Scheduler:
             self._insert(self.swapped, seq)
             return
         seq.num_computed_tokens = 0
-        seq.num_reserved_tokens = 0
         self.add(seq)
 
     def _swap_in(self, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
@@ -245,11 +250,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.resumed_without_progress = True
             self._insert(self.running, seq)
-            if seq.needs_slot:
-                copies = self.kv.append(seq.seq_id, seq.token_ids[seq.num_reserved_tokens :])
+            if self._needs_slot(seq):
+                copies = self._reserve(seq)
                 if copies is None:
                     continue  # resident again; its decode waits for a block
-                seq.num_reserved_tokens = seq.num_tokens
                 out.copies.extend(copies)
             budget -= self._schedule(seq, budget, scheduled, out)
         return budget
@@ -274,7 +278,6 @@ class Scheduler:
             if static:
                 self._reserved_blocks += reservation
             seq.num_computed_tokens = cached
-            seq.num_reserved_tokens = seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             seq.resumed_without_progress = seq.num_preemptions > 0
             self._insert(self.running, seq)

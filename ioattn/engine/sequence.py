@@ -1,4 +1,4 @@
-"""Sequence and request state, and the outputs the engine hands back (vLLM's `RequestOutput` shape).
+"""A sequence's state in the engine (the KV manager's block bookkeeping for it is `ioattn.kv.ledger.BlockLedger`).
 
 A request owns one sequence per sample: it starts with a single one holding the prompt, and when `n > 1` the
 engine forks it after the prompt's first sampled token (the children share the prompt's KV blocks). The
@@ -34,8 +34,6 @@ class Sequence:
     width: int = 1
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    # Tokens the KV manager holds slots for; a freshly sampled token is reserved by the next schedule.
-    num_reserved_tokens: int = 0
     num_preemptions: int = 0
     # Set when a preempted sequence is resumed and cleared once it produces a new token: it is not chosen as a
     # preemption victim in between, so that sequences cannot evict each other step after step without progress.
@@ -66,62 +64,9 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def needs_slot(self) -> bool:
-        """A sampled token is waiting for its KV slot (a decode step)."""
-        return self.num_reserved_tokens < self.num_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     def scheduling_key(self, by_priority: bool) -> tuple:
         """Sort key: served first when smaller; the largest running sequence is the preemption victim."""
         return (self.priority if by_priority else 0, self.arrival_time, self.seq_id)
-
-
-@dataclass
-class RequestMetrics:
-    """Per-request timings, in `time.monotonic()` seconds."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    def time_per_output_token(self, num_output_tokens: int) -> float | None:
-        """Mean gap between output tokens after the first (TPOT); None with fewer than two tokens."""
-        if self.finished_time is None or self.first_token_time is None or num_output_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]  # the request's own list, shared by all its outputs: read it, do not mutate it
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics
-    # Set (and finished True, outputs empty) when the request was refused: the message says why.
-    error: str | None = None

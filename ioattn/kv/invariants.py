@@ -8,13 +8,11 @@ shared block (a missing copy-on-write) or a prefix hit served the wrong block.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from ioattn.kv.block_pool import EVICTED, BlockPool
+from ioattn.kv.ledger import ManagerState
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key
 
-if TYPE_CHECKING:
-    from ioattn.kv.manager import KVCacheManager
 
 
 class InvariantError(AssertionError):
@@ -56,7 +54,7 @@ def _check_pool(name: str, pool: BlockPool, holders: Counter) -> None:
         _fail(f"{name}: free {len(free)} + cached {len(evictable)} + used {used} != {pool.num_blocks} blocks")
 
 
-def check(manager: KVCacheManager) -> None:
+def check(manager: ManagerState) -> None:
     bs = manager.block_size
     holders = {True: Counter(), False: Counter()}  # on_gpu -> block -> table references
     contents: dict[tuple[bool, int], tuple[tuple[int, ...], object]] = {}

@@ -61,11 +61,11 @@ Decisions, and why:
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
 from ioattn.intmath import cdiv
 from ioattn.kv.block_pool import EVICTED, BlockPool
+from ioattn.kv.ledger import BlockLedger
 from ioattn.kv.invariants import check
 from ioattn.kv.prefix_hash import ROOT, block_digest, block_key, check_extra_key
 from ioattn.kv.stats import KVStats, collect
@@ -77,24 +77,6 @@ TOKEN_ID_LIMIT = 2**63
 # Block tables are int32 arrays: the runner's (and the kernels') layout, copied to it without conversion.
 TABLE_TYPECODE = "i"
 assert array(TABLE_TYPECODE).itemsize == 4
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One sequence's bookkeeping; `blocks` holds GPU ids, or CPU ids while swapped out."""
-
-    seq_id: Hashable
-    token_ids: list[int]
-    blocks: array  # of TABLE_TYPECODE
-    extra_key: Hashable
-    num_computed: int
-    # Chained digests of the first len(digests) full blocks whose KV is written (the prefix-cache chain).
-    digests: list[bytes] = field(default_factory=list)
-    on_gpu: bool = True
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
 
 def watermark_blocks(num_blocks: int, watermark: float) -> int:
@@ -145,7 +127,7 @@ class KVCacheManager:
         self.watermark_blocks = watermark_blocks(num_blocks, watermark)
         self.gpu = BlockPool(num_blocks)
         self.cpu = BlockPool(num_cpu_blocks)
-        self.seqs: dict[Hashable, Sequence] = {}
+        self.seqs: dict[Hashable, BlockLedger] = {}
         # Counters reported by stats().
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -161,19 +143,19 @@ class KVCacheManager:
 
     # -- lookups -----------------------------------------------------------------------------------------
 
-    def _find(self, seq_id: Hashable, name: str = "seq_id") -> Sequence | None:
+    def _find(self, seq_id: Hashable, name: str = "seq_id") -> BlockLedger | None:
         try:
             return self.seqs.get(seq_id)
         except TypeError:
             raise ValueError(f"{name} must be hashable, got {type(seq_id).__name__}") from None
 
-    def _get(self, seq_id: Hashable) -> Sequence:
+    def _get(self, seq_id: Hashable) -> BlockLedger:
         seq = self._find(seq_id)
         if seq is None:
             raise ValueError(f"seq_id {seq_id!r}: unknown sequence (never allocated, or already freed)")
         return seq
 
-    def _on_gpu(self, seq_id: Hashable, action: str) -> Sequence:
+    def _on_gpu(self, seq_id: Hashable, action: str) -> BlockLedger:
         try:  # _find inline: append calls this once per decode
             seq = self.seqs.get(seq_id)
         except TypeError:
@@ -230,7 +212,7 @@ class KVCacheManager:
             self.gpu.share(block)
         blocks = array(TABLE_TYPECODE, hits + [self.gpu.take() for _ in range(needed - len(hits))])
         cached_tokens = len(hits) * self.block_size
-        self.seqs[seq_id] = Sequence(seq_id, tokens, blocks, extra_key, cached_tokens, digests)
+        self.seqs[seq_id] = BlockLedger(seq_id, tokens, blocks, extra_key, cached_tokens, digests)
         if is_resume:
             self.resume_hit_tokens += cached_tokens
         elif self.enable_prefix_caching:
@@ -315,7 +297,7 @@ class KVCacheManager:
         for block in parent.blocks:
             if block != EVICTED:
                 self.gpu.share(block)
-        self.seqs[child_id] = Sequence(
+        self.seqs[child_id] = BlockLedger(
             child_id, list(parent.token_ids), parent.blocks[:], parent.extra_key, parent.num_computed,
             list(parent.digests),
         )
@@ -353,7 +335,7 @@ class KVCacheManager:
             self.swap_in_blocks += len(moves)
         return moves
 
-    def _move(self, seq: Sequence, src: BlockPool, dst: BlockPool, reserve: int) -> list[tuple[int, int]] | None:
+    def _move(self, seq: BlockLedger, src: BlockPool, dst: BlockPool, reserve: int) -> list[tuple[int, int]] | None:
         """Re-home a sequence's blocks from src to dst, reusing blocks dst holds under the same key."""
         targets = [
             dst.lookup(src.key_of[block]) if block != EVICTED and src.key_of[block] is not None else None
@@ -464,6 +446,12 @@ class KVCacheManager:
         return writes
 
     # -- plans for the runner ------------------------------------------------------------------------------
+
+    def reserved_tokens(self, seq_id: Hashable) -> int:
+        """How many tokens the sequence holds slots for (`allocate`, then `append`); 0 when the manager does not
+        hold it (never allocated, freed, or preempted by recompute). The engine reads this, keeping no copy."""
+        seq = self.seqs.get(seq_id)
+        return 0 if seq is None else len(seq.token_ids)
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """Physical block of each logical block; EVICTED (-1) where evict_window released it."""

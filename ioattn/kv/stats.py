@@ -10,10 +10,9 @@ reclaimable on demand, not waste.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from ioattn.kv.manager import KVCacheManager
+from ioattn.kv.ledger import ManagerState
+
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class KVStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
-def collect(manager: KVCacheManager) -> KVStats:
+def collect(manager: ManagerState) -> KVStats:
     """O(sequences): only a sequence's last block can be partial, every other used block is full."""
     bs = manager.block_size
     gpu, cpu = manager.gpu, manager.cpu

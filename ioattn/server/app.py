@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
-from ioattn.engine.sequence import RequestOutput
+from ioattn.engine.outputs import RequestOutput
 from ioattn.kv.manager import all_token_ids
 from ioattn.server import protocol as api
 from ioattn.server.chat_template import ChatTemplate, TemplateError

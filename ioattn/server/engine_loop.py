@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
-from ioattn.engine.sequence import RequestOutput
+from ioattn.engine.outputs import RequestOutput
 from ioattn.server.metrics import ServerMetrics
 
 log = logging.getLogger("ioattn.server")

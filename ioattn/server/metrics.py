@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ioattn.engine.sequence import RequestOutput
+from ioattn.engine.outputs import RequestOutput
 
 # Seconds; chosen to resolve both a CPU test model (seconds) and a GPU server (milliseconds).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

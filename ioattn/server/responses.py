@@ -11,7 +11,7 @@ import time
 
 from pydantic import BaseModel
 
-from ioattn.engine.sequence import CompletionOutput, RequestOutput
+from ioattn.engine.outputs import CompletionOutput, RequestOutput
 from ioattn.server import protocol as api
 
 

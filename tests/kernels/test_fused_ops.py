@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ioattn.models.config import Llama3RopeScaling, ModelConfig
 from ioattn.models.llama import (
-    DenseCausalAttention, RMSNorm, apply_rotary, build_model, dense_causal_attention, rope_inv_freq, rotary_cos_sin,
+    DenseCausalAttention, RMSNorm, apply_rotary, build_model, rope_inv_freq, rotary_cos_sin,
 )
 from ioattn.models.presets import PRESETS, randomize_weights
 from ioattn.ops.fused import rms_norm, rotary_embedding_, silu_and_mul
