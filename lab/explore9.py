@@ -28,7 +28,7 @@ import explore1 as e1  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-from ioattn.bench.serve import make_workload  # noqa: E402
+from ioattn.bench.workload import make_workload  # noqa: E402
 from ioattn.bench.serve_offline import WARMUP_REQUESTS, Pacing, release_device, run_engine  # noqa: E402
 
 MODEL = "tiny" if e1.TINY else "llama3-8b-shape"

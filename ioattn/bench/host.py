@@ -30,7 +30,7 @@ import time
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
 import torch
 
-from ioattn.bench.serve import PROMPT_ID_RANGE
+from ioattn.bench.workload import PROMPT_ID_RANGE
 
 
 def _engine(args, batch: int):

@@ -53,7 +53,7 @@ from math import ceil
 
 import torch
 
-from ioattn.bench.serve import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, make_workload, summarize
+from ioattn.bench.workload import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, make_workload, summarize
 
 SYSTEMS = ("ioattn", "static", "hf")
 # Timed engine steps for the batch-B decode measurement, after as many untimed ones.

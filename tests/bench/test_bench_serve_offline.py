@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ioattn.bench import serve, serve_offline
+from ioattn.bench import serve, serve_offline, workload
 from ioattn.models.presets import PRESETS
 
 MAX_MODEL_LEN = 512
@@ -23,7 +23,7 @@ def compared(tmp_path_factory):
             "--output-len", "2", "9", "--decode-batch", "4", "--max-model-len", str(MAX_MODEL_LEN),
             "--json", str(out / "serve.json"), "--out", str(out)]
     assert serve.main(argv) == 0
-    work = serve.make_workload(8, (16, 64), (2, 9), seed=0)
+    work = workload.make_workload(8, (16, 64), (2, 9), seed=0)
     return json.loads((out / "serve.json").read_text()), out, work
 
 
@@ -92,9 +92,9 @@ def test_roofline_arithmetic():
 
 
 def test_mean_context_and_warmup_workload():
-    work = [serve.WorkItem([1] * 100, 10), serve.WorkItem([1] * 300, 30)]
+    work = [workload.WorkItem([1] * 100, 10), workload.WorkItem([1] * 300, 30)]
     assert serve_offline.mean_context(work) == 200 + 10
-    work = serve.make_workload(40, (20, 50), (3, 3), seed=5)
+    work = workload.make_workload(40, (20, 50), (3, 3), seed=5)
     warmup = serve_offline.warmup_workload(work, seed=5)
     assert len(warmup) == serve_offline.WARMUP_REQUESTS
     assert all(20 <= len(w.prompt_token_ids) <= 50 and w.output_len == serve_offline.WARMUP_OUTPUT_LEN

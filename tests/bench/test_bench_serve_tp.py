@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ioattn.bench import serve
+from ioattn.bench import serve, workload
 
 WORKLOAD = ["--model", "tiny", "--dtype", "float32", "--max-model-len", "128", "--num-requests", "4"]
 RATIO_KEYS = {"output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"}
@@ -85,9 +85,9 @@ def test_launch_forwards_tp_to_the_server():
 
 
 def test_arrival_offsets():
-    assert serve.arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
-    offsets = serve.arrival_offsets(50, 10.0, seed=2)
-    assert offsets == serve.arrival_offsets(50, 10.0, seed=2) and offsets[0] == 0.0
+    assert workload.arrival_offsets(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+    offsets = workload.arrival_offsets(50, 10.0, seed=2)
+    assert offsets == workload.arrival_offsets(50, 10.0, seed=2) and offsets[0] == 0.0
     assert all(a < b for a, b in zip(offsets, offsets[1:]))
 
 

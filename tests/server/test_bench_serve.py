@@ -3,23 +3,23 @@
 
 import json
 
-from ioattn.bench import serve
+from ioattn.bench import serve, workload
 
 from server_helpers import MAX_MODEL_LEN
 
 
 def test_percentile_nearest_rank():
     values = list(range(1, 101))
-    assert serve.percentile(values, 50) == 50 and serve.percentile(values, 99) == 99
-    assert serve.percentile(values, 100) == 100 and serve.percentile([3.0], 99) == 3.0
-    assert serve.percentile([], 50) is None
+    assert workload.percentile(values, 50) == 50 and workload.percentile(values, 99) == 99
+    assert workload.percentile(values, 100) == 100 and workload.percentile([3.0], 99) == 3.0
+    assert workload.percentile([], 50) is None
 
 
 def test_workload_is_reproducible_and_in_range():
-    work = serve.make_workload(20, (5, 9), (2, 3), seed=4)
-    assert work == serve.make_workload(20, (5, 9), (2, 3), seed=4)
+    work = workload.make_workload(20, (5, 9), (2, 3), seed=4)
+    assert work == workload.make_workload(20, (5, 9), (2, 3), seed=4)
     assert all(5 <= len(w.prompt_token_ids) <= 9 and 2 <= w.output_len <= 3 for w in work)
-    assert all(0 <= t < serve.PROMPT_ID_RANGE for w in work for t in w.prompt_token_ids)
+    assert all(0 <= t < workload.PROMPT_ID_RANGE for w in work for t in w.prompt_token_ids)
 
 
 def test_bench_against_live_server_and_offline(live_server, tmp_path):
