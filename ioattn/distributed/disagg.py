@@ -136,10 +136,12 @@ class DisaggregatedEngine(LLMEngine):
         """Validate the prompt and send it to the prefill worker; the request joins the decode engine once its
         KV arrived. A request refused then (invalid sampling values) finishes with `error` set."""
         self.check_worker()
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if request_id in self.requests or any(a["request_id"] == request_id for a in self._in_prefill.values()):
+        request_id = self._new_request_id(request_id)
+        if any(a["request_id"] == request_id for a in self._in_prefill.values()):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        params = self.check_params(SamplingParams() if params is None else params)  # before a prefill is spent
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._check_arrival_and_priority(arrival_time, priority)
         ticket = next(self._tickets)
         self._in_prefill[ticket] = dict(
             request_id=request_id, prompt=prompt, params=params, prompt_token_ids=token_ids,

@@ -123,11 +123,7 @@ class LLMEngine:
         request_id = self._new_request_id(request_id)
         params = self.check_params(SamplingParams() if params is None else params)
         token_ids = self._prompt_ids(prompt, prompt_token_ids)
-        if arrival_time is not None and not math.isfinite(as_real(arrival_time)):
-            raise ValueError(f"arrival_time must be None or a finite number (time.monotonic() seconds), "
-                             f"got {arrival_time!r}")
-        if not is_int(priority):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+        self._check_arrival_and_priority(arrival_time, priority)
         beam_search = isinstance(params, BeamSearchParams)
         width = params.beam_width if beam_search else params.n
         arrival = time.monotonic() if arrival_time is None else float(arrival_time)
@@ -171,6 +167,14 @@ class LLMEngine:
             raise ValueError(f"{name} ({width}) is too large for static scheduling, which reserves max_model_len for "
                              f"each sequence: {reservation} blocks, more than the pool's {self._admissible_blocks}")
         return params
+
+    @staticmethod
+    def _check_arrival_and_priority(arrival_time, priority) -> None:
+        if arrival_time is not None and not math.isfinite(as_real(arrival_time)):
+            raise ValueError(f"arrival_time must be None or a finite number (time.monotonic() seconds), "
+                             f"got {arrival_time!r}")
+        if not is_int(priority):
+            raise ValueError(f"priority must be an int, got {priority!r}")
 
     def _new_request_id(self, request_id) -> str:
         if request_id is None:
@@ -452,9 +456,10 @@ class LLMEngine:
             yield from self.step()
 
     def stats(self) -> dict:
-        """Counters for reports: steps, preemptions, how steps were scheduled and the KV manager's snapshot."""
+        """Counters for reports: steps, preemptions, how steps were scheduled, the KV manager's snapshot and the
+        attention seam (backend, cache dtype and geometry, windows, how kernel inputs are checked)."""
         return {"steps": self.num_steps, "preemptions": self.scheduler.num_preemptions,
-                "scheduling": self.scheduling_stats(), "kv": self.kv.stats()}
+                "scheduling": self.scheduling_stats(), "kv": self.kv.stats(), "attention": self.attention.describe()}
 
     def scheduling_stats(self) -> dict:
         """Whether steps overlap the device (asynchronous scheduling), how many did, why the others did not, and
