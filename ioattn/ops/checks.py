@@ -45,11 +45,9 @@ def checks_contents(validate, device: torch.device) -> bool:
     if not (validate is None or isinstance(validate, bool)):
         raise ValueError(f"validate must be True, False or None (contents checked on CPU, or with {VALIDATE_ENV}=1), "
                          f"got {validate!r}")
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return False
     if validate is None:
-        return device.type != "cuda" or os.environ.get(VALIDATE_ENV, "0") == "1"
-    return validate
+        validate = device.type != "cuda" or os.environ.get(VALIDATE_ENV, "0") == "1"
+    return validate and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
 def is_int(value) -> bool:
