@@ -149,6 +149,8 @@ def test_bad_arguments_name_themselves(tiny64):
         next(paged_logits(tiny64, [1, 512]))
     with pytest.raises(ValueError, match="at least 2"):
         perplexity(tiny64, [1])
+    with pytest.raises(ValueError, match=r"token_ids is 4097 tokens, longer than the model's context \(4096\)"):
+        perplexity(tiny64, [1] * 4097)
 
 
 # -- the command line ----------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def pool_blocks(num_tokens: int, chunk: int, streaming: Streaming, block_size: i
     whole = cdiv(num_tokens, block_size)
     if streaming.window is None:
         return whole
-    return min(whole, cdiv(streaming.sinks, block_size) + cdiv(streaming.window + chunk, block_size) + 2)
+    return min(whole, cdiv(streaming.sinks, block_size) + cdiv(streaming.window + chunk, block_size) + 1)
 
 
 def paged_logits(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,
@@ -193,10 +193,15 @@ def perplexity(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DE
                streaming: Streaming = Streaming(), block_size: int = BLOCK_SIZE, backend: str = "auto",
                progress=None) -> Perplexity:
     """Score `token_ids` (at least 2) through `paged_logits`. progress: called with the tokens done after each
-    step. The caller decides what a text past the model's context means (see `check_length`)."""
+    step. Full attention past the model's context would silently score positions RoPE was never trained on, so
+    without a window a longer text is an error naming both lengths; with one it runs past (StreamingLLM's point)."""
     if len(token_ids) < 2:
         raise ValueError(f"token_ids holds {len(token_ids)} token(s): scoring needs at least 2 (the first only "
                          "conditions the second)")
+    context = loaded.max_model_len
+    if streaming.window is None and len(token_ids) > context:
+        raise ValueError(f"token_ids is {len(token_ids)} tokens, longer than the model's context ({context}): score "
+                         f"its first {context}, or pass a kv_window to stream past the context")
     targets = torch.tensor(list(token_ids[1:]), dtype=torch.int64)
     nll = np.empty(len(token_ids) - 1, dtype=np.float64)
     peak, last = 0, None
@@ -213,10 +218,3 @@ def perplexity(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DE
     return Perplexity(nll, len(token_ids), chunk, streaming, block_size, last.num_blocks, peak, last.blocks_used,
                       last.window_evicted_blocks, seconds)
 
-
-def check_length(num_tokens: int, context: int, streaming: Streaming) -> None:
-    """Full attention past the model's context would score positions RoPE was never trained on, silently: an
-    error naming both lengths. A window runs past it (that is StreamingLLM's point)."""
-    if streaming.window is None and num_tokens > context:
-        raise ValueError(f"the text is {num_tokens} tokens, longer than the model's context ({context}): score its "
-                         f"first {context} (max_tokens), or stream past the context with a kv_window")
