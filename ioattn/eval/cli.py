@@ -252,6 +252,6 @@ def _streaming(args, loaded, token_ids, text, command) -> int:
         marks = {f"window {args.window}": args.window}
         if len(token_ids) > result.context:
             marks[f"context {result.context}"] = result.context
-        plot_curves(curves, args.plot, marks=marks,
+        plot_curves(curves, args.plot, marks=marks, reference=result.label("full"),
                     title=f"StreamingLLM on {args.model}: perplexity by position, per {args.bucket} tokens")
     return 0

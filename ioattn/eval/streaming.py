@@ -68,26 +68,43 @@ def streaming_experiment(loaded, token_ids, *, window: int, sinks: int, chunk: i
     return StreamingResult(runs, context, window, sinks)
 
 
-def plot_curves(curves: dict[str, list[dict]], path: str, *, title: str, marks: dict[str, int]) -> None:
+def plot_curves(curves: dict[str, list[dict]], path: str, *, title: str, marks: dict[str, int],
+                reference: str | None = None) -> None:
     """A PNG of perplexity (log axis) against position, one line per curve of `bucket_means` rows; `marks` draws a
-    labelled vertical line at each position (the window, the context)."""
+    labelled vertical line at each position (the window, the context). With `reference` (a curve's label), a
+    lower panel shows every other curve's perplexity divided by the reference's, where both scored the bucket."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    panels = 2 if reference is not None else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(11, 4.2 + 2.4 * (panels - 1)), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [2, 1][:panels]})
+    top = axes[0, 0]
+    by_start = {label: {b["start"]: b for b in buckets} for label, buckets in curves.items()}
     for color, (label, buckets) in enumerate(curves.items()):
         xs = [b["start"] + b["tokens"] / 2 for b in buckets]
-        ax.plot(xs, [b["perplexity"] for b in buckets], marker=".", label=label, color=f"C{color % 10}")
-    for color, (label, position) in enumerate(marks.items()):
-        ax.axvline(position, color="0.5", linestyle=("--", ":", "-.")[color % 3], linewidth=1, label=label)
-    ax.set_yscale("log")
-    ax.set_xlabel("token position")
-    ax.set_ylabel("perplexity (bucket mean NLL, exp)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+        top.plot(xs, [b["perplexity"] for b in buckets], marker=".", label=label, color=f"C{color % 10}")
+        if reference is None or label == reference:
+            continue
+        shared = [b for b in buckets if b["start"] in by_start[reference]]
+        axes[1, 0].plot([b["start"] + b["tokens"] / 2 for b in shared],
+                        [b["perplexity"] / by_start[reference][b["start"]]["perplexity"] for b in shared],
+                        marker=".", color=f"C{color % 10}")
+    for ax in axes[:, 0]:
+        for style, (label, position) in enumerate(marks.items()):
+            ax.axvline(position, color="0.5", linestyle=("--", ":", "-.")[style % 3], linewidth=1,
+                       label=label if ax is top else None)
+        ax.grid(True, which="both", alpha=0.3)
+    top.set_yscale("log")
+    top.set_ylabel("perplexity (bucket mean NLL, exp)")
+    top.set_title(title, fontsize=10)
+    top.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if reference is not None:
+        axes[1, 0].axhline(1.0, color=f"C{list(curves).index(reference) % 10}", linewidth=1)
+        axes[1, 0].set_ylabel(f"ratio to {reference.split(' ')[0]}")
+    axes[-1, 0].set_xlabel("token position")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
