@@ -14,21 +14,9 @@ import pkgutil
 import sys
 import time
 
-DEFAULT_MODEL = "smollm2"
-MODEL_HELP = ("a preset (smollm2: SmolLM2-135M-Instruct, the default; tiny; llama3-8b-shape), a llama GGUF file or "
-              "a local Hugging Face checkpoint folder")
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, fail, positive_int
+
 EXPLAIN_DTYPES = ("float32", "float16", "bfloat16")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _benchmarks() -> list[str]:
@@ -146,15 +134,9 @@ def _explain(args: argparse.Namespace) -> int:
         k = torch.empty(args.batch, n_k, h_kv, args.head_dim, dtype=dtype, device=device)
         text = ioattn.explain(q, k, k, causal=args.causal)
     except (ValueError, RuntimeError) as error:  # a bad --device, or a shape the kernels refuse
-        return _fail("explain", str(error))
+        return fail("explain", str(error))
     print(text)
     return 0
-
-
-def _fail(command: str, message: str) -> int:
-    """argparse's way out: the message on stderr, exit status 2."""
-    print(f"ioattn {command}: error: {message}", file=sys.stderr)
-    return 2
 
 
 # -- generate ------------------------------------------------------------------------------------------------
@@ -169,11 +151,11 @@ def _generate(args: argparse.Namespace) -> int:
         try:
             stream = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
         except OSError as error:
-            return _fail("generate", f"--prompts-file: {error}")
+            return fail("generate", f"--prompts-file: {error}")
         with stream:
             prompts += [line.rstrip("\n") for line in stream if line.strip()]
     if not prompts:
-        return _fail("generate", "give at least one --prompt or a --prompts-file")
+        return fail("generate", "give at least one --prompt or a --prompts-file")
 
     # Checked before the model loads, so a bad value fails in a fraction of a second.
     stop_flags = _given(dict(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos))
@@ -184,19 +166,19 @@ def _generate(args: argparse.Namespace) -> int:
             # Beam search picks deterministically: sampling flags would be silently ignored, so refuse them.
             given = ["--" + name.replace("_", "-") for name in _given(sampling_flags)]
             if given:
-                return _fail("generate", f"{', '.join(given)} cannot be used with --beam-width "
+                return fail("generate", f"{', '.join(given)} cannot be used with --beam-width "
                              "(beam search does not sample)")
             params = BeamSearchParams(beam_width=args.beam_width, n=args.n, **stop_flags)
         else:
             params = SamplingParams(**_given(dict(n=args.n, **sampling_flags)), **stop_flags)
     except ValueError as error:
-        return _fail("generate", str(error))
+        return fail("generate", str(error))
 
     try:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         llm = LLM(loaded, num_blocks=args.num_blocks, max_model_len=args.max_model_len)
     except (ValueError, OSError) as error:
-        return _fail("generate", str(error))
+        return fail("generate", str(error))
     inputs = {"prompts": prompts}
     if args.chat:
         from ioattn.server.chat_template import ChatTemplate

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ioattn.cli import DEFAULT_MODEL, MODEL_HELP, _fail, positive_int
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, fail, positive_int
 
 
 def _count(text: str) -> int:
@@ -77,22 +77,22 @@ def run_eval(args: argparse.Namespace) -> int:
         if problem is None and args.eval_command == "perplexity" and args.kv_sinks and args.kv_window is None:
             problem = f"--kv-sinks {args.kv_sinks} needs --kv-window (without a window every token is kept)"
         if problem is not None:
-            return _fail(command, problem)
+            return fail(command, problem)
         text = _read_texts(args.text)
     except (OSError, UnicodeDecodeError) as error:
-        return _fail(command, f"--text: {error}")
+        return fail(command, f"--text: {error}")
     from ioattn.models.loader import load_model
 
     try:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: a device torch cannot use
-        return _fail(command, str(error))
+        return fail(command, str(error))
     token_ids = loaded.tokenizer.encode(text)
     if args.max_tokens is not None:
         token_ids = token_ids[: args.max_tokens]
     if len(token_ids) < 2:
         given = f" (--max-tokens {args.max_tokens})" if args.max_tokens is not None else ""
-        return _fail(command, f"--text holds {len(token_ids)} token(s){given}: scoring needs at least 2")
+        return fail(command, f"--text holds {len(token_ids)} token(s){given}: scoring needs at least 2")
     run = _perplexity if args.eval_command == "perplexity" else _streaming
     return run(args, loaded, token_ids, text, command)
 
@@ -189,10 +189,10 @@ def _perplexity(args, loaded, token_ids, text, command) -> int:
     try:
         streaming = Streaming(args.kv_window, args.kv_sinks)
     except ValueError as error:
-        return _fail(command, str(error))
+        return fail(command, str(error))
     context = loaded.max_model_len
     if streaming.window is None and len(token_ids) > context:
-        return _fail(command, f"--text is {len(token_ids)} tokens, longer than the model's context ({context}): "
+        return fail(command, f"--text is {len(token_ids)} tokens, longer than the model's context ({context}): "
                      f"pass --max-tokens {context} to score its first {context}, or --kv-window W to stream past it")
     bar = _Progress()
     result = perplexity(loaded, token_ids, chunk=args.chunk, streaming=streaming,
@@ -232,7 +232,7 @@ def _streaming(args, loaded, token_ids, text, command) -> int:
         result = streaming_experiment(loaded, token_ids, window=args.window, sinks=args.sinks, chunk=args.chunk,
                                       progress=bar)
     except ValueError as error:
-        return _fail(command, str(error))
+        return fail(command, str(error))
     bar.close()
     for name, run in result.runs.items():
         print(f"{result.label(name)}: perplexity {run.perplexity:.4f} over {run.tokens_scored} tokens, "
