@@ -5,7 +5,7 @@ Triton's wheel carries ptxas and cuobjdump, so registers, spills, shared memory 
 pressure were found (see ioattn/kernels/paged_attention.py).
 
     PYTHONPATH=. python3 lab/aot.py [--block-n 64] [--warps 4] [--stages 2] [--maxnreg N]
-        [--page 16] [--prefill]                                 # the paged kernel (the default: decode)
+        [--page 16] [--prefill] [--fp8 e4m3|e5m2]               # the paged kernel (the default: decode)
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers]    # the dense forward kernel
 
 prints, for one configuration (bf16; paged: 32/8 heads, D=128; forward: 32/8 heads, the dense (B, N, H, D)
@@ -51,15 +51,22 @@ def resources(kernel) -> str:
     return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
 
 
-def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None):
+def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None):
+    """fp8: None (bf16 caches: K_scale/V_scale are None, as the launcher passes them) or "e4m3" / "e5m2"."""
     from ioattn.kernels.paged_attention import paged_attention_kernel as kernel
 
     types = {n: "i32" for n in kernel.arg_names}
     types.update({n: "*bf16" for n in ("Q", "K_cache", "V_cache")}, Out="*fp32", Lse="*fp32", scale_log2="fp32")
+    if fp8 is not None:
+        types.update(K_cache=f"*fp8{fp8.replace('e4m3', 'e4nv').replace('e5m2', 'e5')}", K_scale="*fp32",
+                     V_scale="*fp32")
+        types["V_cache"] = types["K_cache"]
     types.update({n: "*i32" for n in ("Block_table", "Seq_lens", "Cu_seqlens_q")})
     aligned = [n for n in kernel.arg_names if types.get(n, "").startswith("*") or n.startswith("stride_")]
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, TOKENS=1 if decode else block_m // 4, BLOCK_M=block_m,
-                      BLOCK_N=block_n, PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages)
+                      BLOCK_N=block_n, PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages, FP8=fp8 is not None)
+    if fp8 is None:
+        constexprs.update(K_scale=None, V_scale=None)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
@@ -91,6 +98,7 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
+    p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache (bf16 queries) instead of bf16")
     p.add_argument("--forward", action="store_true", help="the dense forward kernel instead of the paged one")
     p.add_argument("--block-m", type=int, default=128, help="forward: query rows per tile")
     p.add_argument("--head-dim", type=int, default=128, help="forward: head dim")
@@ -102,7 +110,7 @@ def main() -> None:
                                 not args.pointers, args.maxnreg)
     else:
         kernel = paged_kernel(128 if args.prefill else 16, args.block_n, args.warps, args.stages, args.page,
-                              not args.prefill, args.maxnreg)
+                              not args.prefill, args.maxnreg, args.fp8)
     allocs = re.findall(r"%(\w+) = ttg.local_alloc : \(\) -> !ttg.memdesc<([^,]+),", kernel.asm["ttgir"])
     print(resources(kernel))
     print(f"shared {kernel.metadata.shared} B; allocations: " + ", ".join(f"{n} {shape}" for n, shape in allocs))

@@ -12,6 +12,11 @@ directly. Masking is over logical positions: query at position p sees key k iff 
 (when right >= 0) and (k >= p - left or k < sink_tokens) (when left >= 0). A table entry of -1 (a block an
 eviction policy freed) is never read: masked tiles load only positions whose block id is >= 0.
 
+FP8 caches (FP8): K/V tiles are loaded as fp8 (half the bytes of bf16) and converted exactly to the query's dtype
+in registers; the dequantization scales, one per KV head (the program's), cost two scalar loads: the K scale
+multiplies the softmax scale, the V scale the normalised output (partials included: the merge is linear), so
+the kernel computes attention over the dequantized cache with no rounding of its own beyond the usual.
+
 Loop shape, as Triton 3.6 pipelines it (read off the sm_90 TTGIR with lab/aot.py): the gathered K/V
 loads get one shared-memory buffer, issued at the end of an iteration and awaited at the start of the next, so
 a program overlaps little of its own load latency; resident programs hide it for each other, which is why the
@@ -55,7 +60,7 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
                   window_left, window_right, sink_tokens, scale_log2,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   offs_d, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED: tl.constexpr):
+                  IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi); scores kept in base 2 (exp2 is the fast path).
 
     MASKED=False is for tiles every row sees whole: no bounds or position tests at all.
@@ -72,6 +77,9 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
             live = (block >= 0) & (offs_n < seq_len)  # evicted blocks and positions past the end read as zero
             k = tl.load(k_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
+            if FP8:  # exact: every fp8 value is a float16/bfloat16/float32 value
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = _dot(q, tl.trans(k), None, IEEE) * scale_log2
             seen = (live[None, :]
                     & ((window_right < 0) | (offs_n[None, :] <= pos[:, None] + window_right))
@@ -81,6 +89,9 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            if FP8:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
             s = _dot(q, tl.trans(k), None, IEEE) * scale_log2
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -102,7 +113,7 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
                                "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
             do_not_specialize_on_alignment=["Block_table", "Seq_lens", "Cu_seqlens_q"])
 def paged_attention_kernel(
-    Q, K_cache, V_cache, Block_table, Seq_lens, Cu_seqlens_q, Out, Lse,
+    Q, K_cache, V_cache, Block_table, Seq_lens, Cu_seqlens_q, Out, Lse, K_scale, V_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -113,8 +124,11 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
     IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     """Grid (batch * q_tiles_per_seq, num_kv_heads, num_splits). Out/Lse are indexed [split, token, head].
+
+    FP8: the caches are fp8 and K_scale/V_scale float32 (num_kv_heads,) dequantize them; else both are None.
 
     RELEASE_DEPENDENTS: let a kernel launched after this one by programmatic dependent launch (the split combine)
     start as soon as every program of this grid has started; it waits for this grid's end itself (sm_90+)."""
@@ -163,6 +177,8 @@ def paged_attention_kernel(
     table_row = Block_table + seq.to(tl.int64) * stride_table
     K_head = K_cache + kv_head * stride_kh
     V_head = V_cache + kv_head * stride_vh
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(K_scale + kv_head)
 
     # Sink tiles left of the window are always visible; the first split owns them.
     sink_hi = tl.minimum((tl.minimum(sink_tokens, kv_hi) + BLOCK_N - 1) // BLOCK_N, tile_lo)
@@ -178,11 +194,13 @@ def paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, lo, hi,
             window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2)
+            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2, FP8)
 
     # Empty rows (no visible key in this split) write output 0 and LSE -inf, never NaN.
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:
+        out = out * tl.load(V_scale + kv_head)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * LN2)
     token64 = (q_start + token).to(tl.int64)
     o_ptrs = (Out + split.to(tl.int64) * stride_os + token64[:, None] * stride_ot + head[:, None] * stride_oh

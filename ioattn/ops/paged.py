@@ -9,6 +9,11 @@ All launches are CUDA-graph safe when the caller passes `max_seqlen_q` (multi-to
 used, a `workspace` sized for its largest batch: nothing here reads device data on the host (unless contents are
 checked, see `ioattn.ops.checks`), and every allocation depends on shapes only. The measurements behind the
 constants below are in lab/README.md ("paged decode" and "chunked prefill").
+
+FP8 caches (`float8_e4m3fn` / `float8_e5m2`, see `ioattn.ops.fp8`) take per-KV-head float32 `k_scale` and
+`v_scale`: the paged kernel loads fp8 and folds the scales in (K into the softmax scale, V into the output), the
+gathered path dequantizes in its gather, the torch path in its own. Queries and outputs stay in the model's dtype.
+The scales are read by the kernels from device memory, so a captured CUDA graph stays valid while they are fixed.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops import torch_paged
 from ioattn.ops.cache import gather_cache, resolve_backend
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.fp8 import (
+    check_fp8_supported, check_scale_values, check_scales, dequantize, is_fp8, kv_cache_dtype_name,
+)
 from ioattn.ops.checks import (
     SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents,
     is_int, normalized_window, softmax_scale_or_default, unbounded_past,
@@ -74,14 +82,17 @@ def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool) -> list[PagedConfig]:
-    """Configurations worth timing for one shape on the GPU (pass each as `config=` to paged_attention)."""
+def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,
+                      cache_dtype: torch.dtype | None = None) -> list[PagedConfig]:
+    """Configurations worth timing for one shape on the GPU (pass each as `config=` to paged_attention).
+    cache_dtype fp8: decode tiles up to twice as many keys (the same bytes per tile as 16-bit caches)."""
     stage_options = (1, 2, 3, 4)
     if decode:
+        tile_elements = 32768 if cache_dtype is not None and is_fp8(cache_dtype) else 16384
         return [
             PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
-            for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in stage_options for r in (None, 96, 128)
-            if n * head_dim <= 16384
+            for n in (16, 32, 64, 128, 256) for w in (2, 4, 8) for s in stage_options for r in (None, 96, 128)
+            if n * head_dim <= tile_elements
         ]
     return [
         PagedConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
@@ -156,18 +167,34 @@ class PagedPlan:
     reason: str = ""
     dependent_combine: bool = False  # the split combine by programmatic dependent launch (sm_90+)
     backend: str = "triton"  # or "torch": the exact CPU path (`ioattn.ops.torch_paged`)
+    kv_cache: str = ""  # the cache's dtype and, for fp8, how its scales are applied
 
     def __str__(self) -> str:
+        cache = f"; {self.kv_cache}" if self.kv_cache else ""
         if self.backend == "torch":
-            return f"torch: {torch_paged.DESCRIPTION}" + (f" ({self.reason})" if self.reason else "")
+            return f"torch: {torch_paged.DESCRIPTION}" + (f" ({self.reason})" if self.reason else "") + cache
         if self.gather:
-            return f"gather the paged context + dense varlen forward ({self.reason})"
+            return f"gather the paged context + dense varlen forward ({self.reason})" + cache
         launch = (f"paged_attention_kernel BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
                   f"num_warps={self.config.num_warps} num_stages={self.config.num_stages}"
                   + ("" if self.config.maxnreg is None else f" maxnreg={self.config.maxnreg}"))
         combine = " (programmatic dependent launch)" if self.dependent_combine else ""
         splits = f", {self.num_splits} splits + combine{combine}" if self.num_splits > 1 else ", no split"
-        return launch + splits + (f" ({self.reason})" if self.reason else "")
+        return launch + splits + (f" ({self.reason})" if self.reason else "") + cache
+
+
+def describe_cache(k_cache: torch.Tensor, backend: str, gather: bool) -> str:
+    """What a plan says about the cache: its dtype, and for fp8 where the scales go."""
+    name = kv_cache_dtype_name(k_cache.dtype)
+    if not is_fp8(k_cache.dtype):
+        return f"{name} KV cache"
+    if backend == "torch":
+        how = "dequantized (x scale per KV head) as each sequence's keys are gathered"
+    elif gather:
+        how = "dequantized (x scale per KV head) into the gathered buffers"
+    else:
+        how = "loaded as fp8; K scale folded into the softmax scale, V scale into the output, per KV head"
+    return f"{name} KV cache, {how}"
 
 
 def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
@@ -183,7 +210,7 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
     backend, backend_why = resolve_backend(backend, q.device)
     if backend == "torch":
         return PagedPlan(config or default_config(head_dim, q.dtype, decode=decode), 1, 0, 0, 0, reason=backend_why,
-                         backend="torch")
+                         backend="torch", kv_cache=describe_cache(k_cache, "torch", False))
     if not decode:
         if gather is None and config is None and num_splits <= 1:
             use, why = choose_gather(q.shape[0], block_table.shape[0], group, window_left, sink_tokens)
@@ -197,7 +224,7 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
             require(block_table.shape[0] <= MAX_GRID_Y,
                     f"gather=True takes at most {MAX_GRID_Y} sequences (the gather kernel's grid), got {block_table.shape[0]}")
             return PagedPlan(config or default_config(decode=False, head_dim=head_dim, dtype=q.dtype), 1, 0, 0, 0,
-                             True, why)
+                             True, why, kv_cache=describe_cache(k_cache, "triton", True))
     else:
         why = ""
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype)
@@ -215,14 +242,16 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
     dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
-    return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent)
+    return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent,
+                     kv_cache=describe_cache(k_cache, "triton", False))
 
 
 def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True,
                   window_size=(-1, -1), sink_tokens=0, num_splits=0, workspace=None, config=None,
-                  gather=None, dependent_combine=None, backend="auto") -> PagedPlan:
-    """The plan `paged_attention` would run with these arguments (nothing runs); str() says what and why.
-    `ioattn.explain(q, k_cache, v_cache, block_table=..., seq_lens=..., ...)` lands here."""
+                  gather=None, dependent_combine=None, backend="auto", k_scale=None, v_scale=None) -> PagedPlan:
+    """The plan `paged_attention` would run with these arguments (nothing runs); str() says what and why, the
+    cache's dtype included. `ioattn.explain(q, k_cache, v_cache, block_table=..., seq_lens=..., ...)` lands here."""
+    check_scales(k_cache, k_scale, v_scale)
     decode = cu_seqlens_q is None
     if not decode and max_seqlen_q is None:
         max_seqlen_q = int(cu_seqlens_q.diff().max().item()) if cu_seqlens_q.numel() > 1 else 0
@@ -255,6 +284,8 @@ def paged_attention(
     dependent_combine: bool | None = None,
     backend: str = "auto",
     validate: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ):
     """Attention of new queries against a paged KV cache (split-KV / Flash-Decoding).
 
@@ -273,6 +304,10 @@ def paged_attention(
     dense varlen forward (see `choose_gather`; `gather=True/False` forces it, `plan_paged_attention` says which
     path a call takes; num_splits, workspace and config apply to the paged kernel only). The gathered buffer
     holds batch x block_table.shape[1] x block_size rows of K and V.
+    FP8 caches (float8_e4m3fn / float8_e5m2) need `k_scale` and `v_scale`, float32 (num_kv_heads,): the cache
+    holds K / k_scale and V / v_scale (see `ioattn.ops.fp8`), and attention runs over the dequantized values; q,
+    out and the result are in the model's dtype (any of the supported three). On CUDA, fp8 needs compute
+    capability 8.9+. Other caches share q's dtype and take no scales.
     Returns out shaped like q, and with return_lse the natural-log LSE in float32: (B, Hq) for decode,
     (Hq, total_q) for packed queries (flash-attn varlen). Rows that see no key (e.g. seq_len 0) give 0 and -inf.
     validate: check the values of block_table, seq_lens and cu_seqlens_q (every block id read in
@@ -290,7 +325,12 @@ def paged_attention(
     require(q.dtype in dtypes, f"q dtype must be one of {dtypes}, got {q.dtype}")
     require(q.stride(-1) == 1, "q must be contiguous in head_dim (stride(-1) == 1)")
     check_cache_pair(k_cache, v_cache, dtypes)
-    require(k_cache.dtype == q.dtype, f"q, k_cache and v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}")
+    fp8 = is_fp8(k_cache.dtype)
+    require(fp8 or k_cache.dtype == q.dtype, f"q, k_cache and v_cache must share a dtype (or the caches be fp8), got "
+            f"{q.dtype}, {k_cache.dtype}")
+    check_scales(k_cache, k_scale, v_scale)
+    if fp8:
+        check_fp8_supported(q.device)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     require(head_dim == k_cache.shape[3], f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
@@ -330,25 +370,32 @@ def paged_attention(
     if contents:
         check_table_contents(block_table, seq_lens, None if decode else cu_seqlens_q.diff(), k_cache.shape[0],
                              k_cache.shape[1], left, sink_tokens)
+        if fp8:
+            check_scale_values("k_scale", k_scale)
+            check_scale_values("v_scale", v_scale)
     plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
                                 num_splits=num_splits, config=config, workspace=workspace, window_left=left,
                                 sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
                                 backend=backend)
     if plan.backend == "torch":
+        if fp8:  # dequantized copies: the torch path gathers from caches in q's dtype
+            k_cache, v_cache = (dequantize(c, s, q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         return torch_paged.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, (left, right),
                                            sink_tokens, scale, out, return_lse)
     if interpreter_upcast(q.dtype):  # the interpreter's bf16 dots are wrong: compute on float32 copies
+        k_up, v_up = (k_cache, v_cache) if fp8 else (k_cache.float(), v_cache.float())
         result = paged_attention(
-            q.float(), k_cache.float(), v_cache.float(), block_table, seq_lens, cu_seqlens_q=cu_seqlens_q,
+            q.float(), k_up, v_up, block_table, seq_lens, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, causal=causal, window_size=window_size, sink_tokens=sink_tokens,
             softmax_scale=scale, num_splits=num_splits, return_lse=return_lse, workspace=workspace, config=config,
-            gather=gather, dependent_combine=dependent_combine, backend="triton", validate=False)
+            gather=gather, dependent_combine=dependent_combine, backend="triton", validate=False,
+            k_scale=k_scale, v_scale=v_scale)
         result, lse = result if return_lse else (result, None)
         out = result.to(q.dtype) if out is None else out.copy_(result)
         return (out, lse) if return_lse else out
     if plan.gather and num_tokens and batch:
         return _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q,
-                                   (left, right), scale, out, return_lse)
+                                   (left, right), scale, out, return_lse, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     # LSE is stored [token, head]; the packed layout (Hq, total_q) is the same buffer read transposed.
@@ -374,6 +421,7 @@ def paged_attention(
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,
+        k_scale, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -384,7 +432,7 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
         DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
-        RELEASE_DEPENDENTS=plan.dependent_combine,
+        RELEASE_DEPENDENTS=plan.dependent_combine, **({"FP8": True} if fp8 else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
@@ -402,16 +450,18 @@ def paged_attention(
 
 
 def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, window, scale,
-                        out, return_lse):
+                        out, return_lse, k_scale=None, v_scale=None):
     """The gather path of a multi-token call: packed context, then the dense varlen forward (bottom-right
-    causal per sequence: query i of sequence b at position seq_lens[b] - q_len_b + i, as the paged kernel)."""
+    causal per sequence: query i of sequence b at position seq_lens[b] - q_len_b + i, as the paged kernel).
+    An fp8 context is dequantized into q's dtype as it is gathered."""
     from ioattn.ops.attention import flash_attn_varlen_func
 
     batch, width = block_table.shape
     capacity = batch * width * k_cache.shape[1]  # a host bound on sum(seq_lens): no synchronisation
     cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
-    keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity)
+    keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity, k_scale=k_scale,
+                                v_scale=v_scale, dtype=q.dtype)
     # causal=False: the window (left, right) already carries the causal bound (right = 0), bottom-right aligned.
     # validate=False: the call's own arguments were checked, and cu_seqlens_k is built here from them.
     result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -457,20 +507,21 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
 @torch.inference_mode()
 def compile_variants(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, *, window_size=(-1, -1),
-                     max_tokens: int = 1, workspace: PagedWorkspace | None = None) -> None:
+                     max_tokens: int = 1, workspace: PagedWorkspace | None = None, dtype: torch.dtype | None = None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """Run (so compile) every variant of `paged_attention` a serving step can take with these caches, so that no
     kernel compiles mid-serving: decode and multi-token queries on the paged kernel, unsplit (output in the cache
     dtype) and at each power-of-two split count (float32 partials; the combine is specialised on the count),
     and, without a window, the gathered path at one query token and at `max_tokens` (the forward's table tells
     short from long queries). Queries are a view of a fused qkv row, as a model passes them; the caches are only
-    read."""
+    read. dtype: the queries' (default the caches'; required for fp8 caches, which also take their scales)."""
     device, head_dim, kv_heads = k_cache.device, k_cache.shape[3], k_cache.shape[2]
-    qkv = torch.zeros(2, num_heads + 2 * kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+    qkv = torch.zeros(2, num_heads + 2 * kv_heads, head_dim, dtype=dtype or k_cache.dtype, device=device)
     q = qkv[:1, :num_heads]
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    common = dict(window_size=window_size, backend="triton", validate=False)
+    common = dict(window_size=window_size, backend="triton", validate=False, k_scale=k_scale, v_scale=v_scale)
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
         paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits, workspace=workspace, **common)
         paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=1,

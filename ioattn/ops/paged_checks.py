@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ioattn.ops.checks import SUPPORTED_DTYPES, check_head_dim, check_tensor
+from ioattn.ops.fp8 import FP8_DTYPES
 
 MAX_BLOCK_SIZE = 256
 EVICTED = -1  # a table entry an eviction policy released (`ioattn.kv.EVICTED`)
@@ -38,6 +39,8 @@ def check_cache(name: str, cache, dtypes=SUPPORTED_DTYPES) -> None:
 
 
 def check_cache_pair(k_cache, v_cache, dtypes=SUPPORTED_DTYPES) -> None:
+    """Two caches of one shape, dtype and device: a compute dtype of the backend (`dtypes`) or an fp8 format."""
+    dtypes = (*dtypes, *FP8_DTYPES)
     check_cache("k_cache", k_cache, dtypes)
     check_cache("v_cache", v_cache, dtypes)
     require(k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype and k_cache.device == v_cache.device,
