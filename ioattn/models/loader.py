@@ -18,10 +18,10 @@ from ioattn.models.checkpoint import (  # noqa: F401  (re-exported: the loader i
     resolve_dtype,
 )
 from ioattn.models.config import ModelConfig, eos_token_ids
-from ioattn.models.gguf import GGUFFile, load_gguf, read_chat_template
+from ioattn.models.gguf import GGUFFile, load_gguf, read_chat_template, read_config, read_tokenizer
 from ioattn.models.llama import build_model
 from ioattn.models.presets import PRESETS
-from ioattn.models.tokenizer import HFTokenizer
+from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> LoadedModel:
@@ -39,12 +39,28 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> 
         return load_gguf(name, dtype=dtype, device=device)
     config = ModelConfig.from_json(name)
     generation_config = load_generation_config(name)
-    stop_ids = eos_token_ids(generation_config.get("eos_token_id")) or config.eos_token_ids
-    bos = generation_config.get("bos_token_id", config.bos_token_id)
-    tokenizer = HFTokenizer(name, bos_token_id=bos, eos_token_ids=stop_ids)
+    tokenizer, stop_ids = _folder_tokenizer(name, config, generation_config)
     model = build_model(config, resolve_dtype(dtype, config, device), device)
     load_weights(model, name)
     return LoadedModel(model, tokenizer, config, stop_ids, generation_config, folder_chat_template(name))
+
+
+def load_tokenizer(path_or_preset: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer `load_model(path_or_preset)` would carry, read without building the model or its weights
+    (what a front end that only encodes and decodes text needs)."""
+    preset, name = _preset_or_path(path_or_preset)
+    if preset is not None:
+        return preset.tokenizer()
+    if os.path.isfile(name):
+        file = GGUFFile(name)
+        return read_tokenizer(file, read_config(file))
+    return _folder_tokenizer(name, ModelConfig.from_json(name), load_generation_config(name))[0]
+
+
+def _folder_tokenizer(name: str, config: ModelConfig, generation_config: dict) -> tuple[HFTokenizer, tuple[int, ...]]:
+    stop_ids = eos_token_ids(generation_config.get("eos_token_id")) or config.eos_token_ids
+    bos = generation_config.get("bos_token_id", config.bos_token_id)
+    return HFTokenizer(name, bos_token_id=bos, eos_token_ids=stop_ids), stop_ids
 
 
 def chat_template_source(path_or_preset: str | os.PathLike) -> ChatTemplateSource | None:

@@ -27,17 +27,20 @@ import torch
 from ioattn.models.config import ModelConfig
 from ioattn.models.llama import LlamaForCausalLM, build_model
 from ioattn.models.checkpoint import ChatTemplateSource, LoadedModel, resolve_dtype
-from ioattn.models.tokenizer import ByteTokenizer
+from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 
 _BYTES = ByteTokenizer()
 
 
 class Preset(ABC):
-    """A model known by name: `load` builds it; its `config` (a `ModelConfig`), `chat_template()` and `summary`
-    (one line) describe it without the weights."""
+    """A model known by name: `load` builds it; its `config` (a `ModelConfig`), `tokenizer()`, `chat_template()`
+    and `summary` (one line) describe it without the weights."""
 
     @abstractmethod
     def load(self, dtype="auto", device=None) -> LoadedModel: ...
+
+    @abstractmethod
+    def tokenizer(self) -> ByteTokenizer | HFTokenizer: ...
 
     @abstractmethod
     def chat_template(self) -> ChatTemplateSource | None: ...
@@ -56,8 +59,11 @@ class RandomPreset(Preset):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(self.config, resolve_dtype(dtype, self.config, device), device)
         randomize_weights(model, self.seed, draw_device="cpu" if self.draw_on_cpu else model.inv_freq.device)
-        tokenizer = ByteTokenizer()
+        tokenizer = self.tokenizer()
         return LoadedModel(model, tokenizer, self.config, tokenizer.eos_token_ids)
+
+    def tokenizer(self) -> ByteTokenizer:
+        return ByteTokenizer()
 
     def chat_template(self) -> None:
         return None
@@ -102,6 +108,12 @@ class PackagedGGUF(Preset):
         from ioattn.models.gguf import load_gguf
 
         return load_gguf(self.path(), dtype=dtype, device=device)
+
+    def tokenizer(self) -> HFTokenizer:
+        from ioattn.models.gguf import GGUFFile, read_config, read_tokenizer
+
+        file = GGUFFile(self.path())
+        return read_tokenizer(file, read_config(file))
 
     def chat_template(self) -> ChatTemplateSource | None:
         from ioattn.models.gguf import GGUFFile, read_chat_template

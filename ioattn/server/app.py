@@ -1,14 +1,18 @@
-"""The OpenAI-compatible HTTP app: `create_app(engine)` -> a FastAPI app to run with uvicorn.
+"""The OpenAI-compatible HTTP app: `create_app(EngineSpec(...))` -> a FastAPI app to run with uvicorn; its lifespan
+starts the engine-core process (`ioattn.server.client`) and stops it.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream`: server-sent events in OpenAI's
-chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+Routes: POST /v1/completions (one prompt or a batch), POST /v1/chat/completions (both with `stream`: server-sent
+events in OpenAI's chunk format, ending with `data: [DONE]`), GET /v1/models, GET /health, GET /metrics
+(Prometheus text), GET /version.
 
 Every request is checked in its handler before it reaches the engine (every string UTF-8-encodable, model name,
-prompt, lengths, sampling values, and whatever the engine's `check_params` says this model cannot serve, such as
-stop token ids outside its vocabulary), so bad input gets a 400 with an OpenAI error body whose `param` names the
-field as the client spelled it, and never disturbs the engine or other requests; past `max_queued_requests`
-unfinished requests the server answers 429. A client that disconnects (streaming or not) or cancels has its
-request aborted, which frees its KV blocks before the engine's next step.
+prompts, lengths, sampling values), and the engine process checks the rest (what this model cannot serve, such as
+stop token ids outside its vocabulary) before its next step, so bad input gets a 400 with an OpenAI error body whose
+`param` names the field as the client spelled it before any byte of a stream, and never disturbs the engine or
+other requests. An unknown model is a 404 (`model_not_found`); past `max_queued_requests` unfinished requests the
+server answers 429; while the engine process is not serving, 503. A client that disconnects (streaming or not) or
+cancels has its requests aborted, which frees their KV blocks before the engine's next step. Responses never carry a
+stack trace: an unexpected error is logged and answered with a plain 500.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -26,16 +30,16 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ioattn.engine.llm_engine import LLMEngine
+import ioattn
 from ioattn.engine.sampling import SamplingParams
-from ioattn.engine.outputs import RequestOutput
 from ioattn.kv.manager import all_token_ids
 from ioattn.server import protocol as api
 from ioattn.server.chat_template import ChatTemplate, TemplateError
-from ioattn.server.engine_loop import (DEFAULT_MAX_QUEUED_REQUESTS, EngineFailure, EngineLoop, Overloaded,
-                                      RequestStream)
+from ioattn.server.client import EngineClient, EngineFailure, EngineUnavailable, Overloaded, Submission
+from ioattn.server.core import EngineSpec
 from ioattn.server.metrics import CONTENT_TYPE, ServerMetrics
 from ioattn.server.responses import ChatFormatter, CompletionFormatter, Formatter
+from ioattn.server.security import RequestGuard, ServerLimits
 
 log = logging.getLogger("ioattn.server")
 
@@ -88,41 +92,50 @@ def _client_param(loc, body, missing: bool) -> str | None:
     return ".".join(parts) or None
 
 
-class Server:
-    """Request checks and the route handlers' logic, around one engine loop."""
+def _param_of(error: ValueError) -> str:
+    """The field a SamplingParams / engine ValueError names: its first word, by their convention."""
+    return str(error).split()[0] if str(error) else None
 
-    def __init__(self, engine: LLMEngine, served_model_name: str, chat_template: ChatTemplate,
-                 max_queued_requests: int):
-        self.engine = engine
+
+class Server:
+    """Request checks and the route handlers' logic, around one engine client."""
+
+    def __init__(self, client: EngineClient, served_model_name: str, chat_template: ChatTemplate, tokenizer,
+                 limits: ServerLimits):
+        self.client = client
         self.model_name = served_model_name
         self.chat_template = chat_template
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(engine, self.metrics, max_queued_requests)
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = client.metrics
+
+    @property
+    def info(self):
+        return self.client.info
 
     # -- checks -----------------------------------------------------------------------------------------
 
     def check_common(self, body: api.CompletionRequest | api.ChatCompletionRequest) -> None:
         if body.model != self.model_name:
-            raise ApiError(f"model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", code="model_not_found")
+            raise ApiError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", status=404, code="model_not_found")
         if body.logit_bias:
             raise ApiError("logit_bias is not supported", "logit_bias")
-        max_seqs = self.engine.scheduler_config.max_num_seqs
+        max_seqs = self.info.max_num_seqs
         if body.n > max_seqs:
             raise ApiError(f"n ({body.n}) must be <= the server's max_num_seqs ({max_seqs})", "n")
 
-    def completion_prompt(self, body: api.CompletionRequest) -> list[int]:
+    def completion_prompts(self, body: api.CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ApiError(f"prompt: a batch of {len(prompt)} prompts is not supported; send one request "
-                               "per prompt", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self._checked_ids(self.tokenizer.encode(prompt) if prompt else [], "prompt")
-        return self._checked_ids(list(prompt), "prompt")
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            prompts, params = [prompt], ["prompt"]
+        else:
+            if len(prompt) > self.limits.max_prompts:
+                raise ApiError(f"prompt: a batch of {len(prompt)} prompts is more than this server takes in one "
+                               f"request ({self.limits.max_prompts}); split it", "prompt")
+            prompts, params = prompt, [f"prompt.{i}" for i in range(len(prompt))]
+        return [self._checked_ids(self.tokenizer.encode(p) if isinstance(p, str) and p else list(p), param)
+                for p, param in zip(prompts, params)]
 
     def chat_prompt(self, body: api.ChatCompletionRequest) -> list[int]:
         if body.tools:
@@ -142,72 +155,93 @@ class Server:
     def _checked_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise ApiError(f"{param}: the prompt is empty; it must hold at least one token", param)
-        vocab = self.engine.vocab_size
+        vocab, max_model_len = self.info.vocab_size, self.info.max_model_len
         if not all_token_ids(ids, limit=vocab):  # sent by the client, or a tokenizer larger than the model
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ApiError(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param)
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= max_model_len:
             raise ApiError(f"{param}: the prompt is {len(ids)} tokens; this model's context (max_model_len) is "
-                           f"{self.max_model_len}, which must leave room for at least one generated token", param)
+                           f"{max_model_len}, which must leave room for at least one generated token", param)
         return ids
 
     def sampling_params(self, body, prompt_len: int, max_tokens: int | None, logprobs: int | None,
                         max_tokens_given: bool) -> SamplingParams:
-        room = self.max_model_len - prompt_len
+        """Values checked here; what this model can serve is checked by the engine when it takes the request."""
+        max_model_len = self.info.max_model_len
+        room = max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             if not max_tokens_given:
                 max_tokens = room  # the completions default (16) shrinks to fit; an explicit value does not
             else:
                 raise ApiError(f"max_tokens ({max_tokens}) + prompt tokens ({prompt_len}) exceed this model's "
-                               f"context (max_model_len {self.max_model_len})", "max_tokens")
+                               f"context (max_model_len {max_model_len})", "max_tokens")
         try:
-            # The engine's own check of what this model can serve: what passes cannot fail in the engine loop.
-            return self.engine.check_params(body.sampling_params(max_tokens, logprobs))
+            params = body.sampling_params(max_tokens, logprobs)
         except ValueError as error:
-            raise ApiError(str(error), str(error).split()[0]) from error
+            raise ApiError(str(error), _param_of(error)) from error
+        # The engine checks this too when it takes the request; here it spares sending an id that does not fit
+        # a 64-bit integer, in the engine's own words.
+        vocab = self.info.vocab_size
+        out_of_vocab = [t for t in params.stop_token_ids if t >= vocab]
+        if out_of_vocab:
+            raise ApiError(f"stop_token_ids must be token ids in [0, {vocab}), got {out_of_vocab[:5]}",
+                           "stop_token_ids")
+        return params
 
     # -- serving ----------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> Submission:
         try:
-            return self.loop.add(prompt_ids, params)
+            return self.client.submit(requests)
         except Overloaded as error:
             raise ApiError(str(error), status=429, type="rate_limit_error", code="rate_limit_exceeded") from error
-
-    async def respond(self, request: Request, stream: RequestStream, formatter: Formatter, streaming: bool):
-        if streaming:
-            # The background task runs after the response ends, also when starlette cancelled it on a disconnect
-            # before the generator ever started (its own `finally` would then never run).
-            return StreamingResponse(self._events(stream, formatter), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}, background=BackgroundTask(stream.aclose))
-        try:
-            final = await _unless_disconnected(request, stream.final())
-        except ValueError as error:  # the engine refused what the checks let through: still the request's fault
+        except EngineUnavailable as error:
+            raise ApiError(str(error), status=503, type="server_error", code="engine_unavailable") from error
+        except ValueError as error:  # a value the transport cannot carry
             raise ApiError(str(error)) from error
+
+    async def respond(self, request: Request, submission: Submission, formatter: Formatter, streaming: bool):
+        streamed = False
+        try:
+            try:
+                accepted = await _unless_disconnected(request, submission.accepted())
+                if accepted is _GONE:
+                    return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
+                if streaming:
+                    streamed = True
+                    # The background task runs after the response ends, also when starlette cancelled it on a
+                    # disconnect before the generator ever started (its own `finally` would then never run).
+                    return StreamingResponse(self._events(submission, formatter), media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"},
+                                             background=BackgroundTask(submission.aclose))
+                finals = await _unless_disconnected(request, submission.finals())
+            except ValueError as error:  # the engine refused what the handler's checks let through
+                raise ApiError(str(error), _param_of(error)) from error
+            if finals is _GONE:
+                return Response(status_code=499)
+            return JSONResponse(formatter.response(finals).model_dump(exclude_none=False))
         except EngineFailure as error:
             return error_response(500, str(error), "server_error")
         finally:
-            stream.close()
-        if final is None:
-            return Response(status_code=499)  # nobody is listening: nginx's "client closed request"
-        return JSONResponse(formatter.response(final).model_dump(exclude_none=False))
+            if not streamed:
+                submission.close()
 
-    async def _events(self, stream: RequestStream, formatter: Formatter) -> AsyncIterator[str]:
-        """SSE lines; the request is aborted if the client goes away (starlette cancels this generator)."""
+    async def _events(self, submission: Submission, formatter: Formatter) -> AsyncIterator[str]:
+        """SSE lines; the requests are aborted if the client goes away (starlette cancels this generator)."""
         try:
-            async for output in stream:
-                for chunk in formatter.chunks(output):
+            async for prompt_index, output in submission.outputs():
+                for chunk in formatter.chunks(output, prompt_index):
                     yield _sse(chunk)
             usage_chunk = formatter.usage_chunk()
             if usage_chunk is not None:
                 yield _sse(usage_chunk)
         except Exception as error:  # the stream has begun: report in-band, as OpenAI does
-            log.warning("request %s failed: %s", stream.request_id, error)
+            log.warning("request %s failed: %s", formatter.request_id, error)
             status = 400 if isinstance(error, ValueError) else 500
             yield _sse(api.ErrorResponse(error=api.ErrorInfo(
                 message=api.printable(str(error)), type="invalid_request_error" if status == 400 else "server_error")))
         finally:
-            stream.close()
+            submission.close()
         yield "data: [DONE]\n\n"
 
 
@@ -215,8 +249,11 @@ def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-async def _unless_disconnected(request: Request, work) -> RequestOutput | None:
-    """`work`'s result, or None if the client disconnects first (uvicorn does not cancel handlers)."""
+_GONE = object()  # what _unless_disconnected returns when the client left first
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or _GONE if the client disconnects first (uvicorn does not cancel handlers)."""
     work_task = asyncio.ensure_future(work)
     watch_task = asyncio.ensure_future(_disconnect(request))
     try:
@@ -226,7 +263,7 @@ async def _unless_disconnected(request: Request, work) -> RequestOutput | None:
     if work_task.done():
         return work_task.result()
     work_task.cancel()
-    return None
+    return _GONE
 
 
 async def _disconnect(request: Request) -> None:
@@ -234,18 +271,36 @@ async def _disconnect(request: Request) -> None:
         pass
 
 
-def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: ChatTemplate | None = None,
-               max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> FastAPI:
-    server = Server(engine, served_model_name, chat_template or ChatTemplate.plain(), max_queued_requests)
+def create_app(spec: EngineSpec, *, served_model_name: str, chat_template: ChatTemplate | None = None,
+               tokenizer=None, limits: ServerLimits = ServerLimits(), restart_engine: bool = False,
+               on_engine_exit: Callable[[str], None] | None = None, address: str | None = None) -> FastAPI:
+    """The app for the engine `spec` describes. tokenizer: the model's (default: read from its files, without the
+    weights). on_engine_exit(why): called when the engine process has died and will not be restarted (the CLI
+    stops the server, exiting non-zero). address: shown in the start-up log."""
+    if tokenizer is None:
+        from ioattn.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(spec.model)
+    client = EngineClient(spec, tokenizer, ServerMetrics(), max_queued_requests=limits.max_queued_requests,
+                          restart_engine=restart_engine, on_engine_exit=on_engine_exit)
+    server = Server(client, served_model_name, chat_template or ChatTemplate.plain(), tokenizer, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.loop.start()
-        yield
-        await server.loop.stop()
+        info = await client.start()
+        log.info("serving %s as %r%s: %s on %s, tensor parallel %d; KV pool %d blocks x %d tokens = %d tokens, "
+                 "%.3g GiB (%s); max_model_len %d; API key %s; engine process pid %d", info.model, served_model_name,
+                 f" at {address}" if address else "", info.dtype, info.device, info.tensor_parallel_size,
+                 info.num_blocks, info.block_size, info.kv_tokens, info.kv_cache_bytes / 2**30, info.cache_dtype,
+                 info.max_model_len, "required" if limits.api_key else "not required", info.pid)
+        try:
+            yield
+        finally:
+            await client.stop()
 
     app = FastAPI(title="ioattn", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(RequestGuard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -263,7 +318,7 @@ def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: Chat
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return error_response(500, f"internal error: {error!r}", "server_error")
+        return error_response(500, "internal server error (the server's log has the details)", "server_error")
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request):
@@ -273,12 +328,14 @@ def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: Chat
             if not supported:
                 raise ApiError(f"{name} is not supported" + (" (other than best_of = n)" if name == "best_of" else ""),
                                name)
-        prompt_ids = server.completion_prompt(body)
-        params = server.sampling_params(body, len(prompt_ids), body.max_tokens, body.logprobs,
-                                        "max_tokens" in body.model_fields_set)
-        formatter = CompletionFormatter(_request_id("cmpl"), server.model_name, server.tokenizer, len(prompt_ids),
-                                        body.n, body.logprobs, body.include_usage_in_stream)
-        return await server.respond(request, server.submit(prompt_ids, params), formatter, body.stream)
+        prompts = server.completion_prompts(body)
+        given = "max_tokens" in body.model_fields_set
+        requests = [(ids, server.sampling_params(body, len(ids), body.max_tokens, body.logprobs, given))
+                    for ids in prompts]
+        formatter = CompletionFormatter(_request_id("cmpl"), server.model_name, tokenizer, [len(p) for p in prompts],
+                                        body.n, body.logprobs, body.include_usage_in_stream,
+                                        body.return_tokens_as_token_ids)
+        return await server.respond(request, server.submit(requests), formatter, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatCompletionRequest, request: Request):
@@ -289,27 +346,30 @@ def create_app(engine: LLMEngine, *, served_model_name: str, chat_template: Chat
             raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = server.sampling_params(body, len(prompt_ids), max_tokens, top_logprobs, max_tokens is not None)
-        formatter = ChatFormatter(_request_id("chatcmpl"), server.model_name, server.tokenizer, len(prompt_ids),
-                                  body.n, top_logprobs, body.include_usage_in_stream)
-        return await server.respond(request, server.submit(prompt_ids, params), formatter, body.stream)
+        formatter = ChatFormatter(_request_id("chatcmpl"), server.model_name, tokenizer, [len(prompt_ids)], body.n,
+                                  top_logprobs, body.include_usage_in_stream, body.return_tokens_as_token_ids)
+        return await server.respond(request, server.submit([(prompt_ids, params)]), formatter, body.stream)
 
     @app.get("/v1/models")
     async def models():
-        return api.ModelList(data=[api.ModelCard(id=server.model_name, max_model_len=server.max_model_len)])
+        return api.ModelList(data=[api.ModelCard(id=server.model_name, max_model_len=server.info.max_model_len)])
 
     @app.get("/health")
     async def health():
-        if not server.loop.alive:
-            return error_response(503, "the engine loop is not running", "server_error")
-        return {"status": "ok", "unfinished_requests": server.loop.num_unfinished}
+        if not client.alive:
+            return error_response(503, client.failure or "the engine is not serving", "server_error")
+        return {"status": "ok", "unfinished_requests": client.num_unfinished}
 
     @app.get("/metrics")
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version():
+        return {"version": ioattn.__version__}
 
     return app
 
 
 def _request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-

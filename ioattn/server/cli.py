@@ -1,11 +1,20 @@
-"""`ioattn serve`: load a model into an `LLMEngine` and serve it over HTTP with uvicorn."""
+"""`ioattn serve`: an OpenAI-compatible HTTP server (uvicorn, this process) in front of an engine-core process
+that loads the model and runs the `LLMEngine` (`ioattn.server.core`)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import logging
+import os
+import signal
 import sys
+
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, positive_int
+
+API_KEY_ENV = "IOATTN_API_KEY"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 
 
 def _port(text: str) -> int:
@@ -20,14 +29,16 @@ def _port(text: str) -> int:
 
 
 def add_serve_command(subparsers) -> argparse.ArgumentParser:
+    from ioattn.server.security import ServerLimits
+
     serve = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    serve.add_argument("--model", default="smollm2", help="a preset (smollm2: SmolLM2-135M-Instruct, the default; "
-                       "tiny; llama3-8b-shape), a llama GGUF file or a local Hugging Face checkpoint folder")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help=MODEL_HELP)
     serve.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: --model)")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: loopback only; "
+                       "0.0.0.0: every interface, then set an --api-key)")
     serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--chat-template", default=None, help="a jinja file overriding the checkpoint's chat template")
-    serve.add_argument("--max-queued-requests", type=int, default=None,
+    serve.add_argument("--max-queued-requests", type=positive_int, default=None,
                        help="unfinished requests accepted at once; more are answered 429 (default 1024)")
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--device", default=None)
@@ -44,16 +55,29 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
                        help="finish each step on the host before scheduling the next (default: overlap)")
     serve.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1,
                        help="run the model on this many processes (GPUs), Megatron-style tensor parallelism")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    security = serve.add_argument_group("limits and security")
+    security.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                          help=f"clients must send it as `Authorization: Bearer KEY` on /v1 routes (default: "
+                          f"${API_KEY_ENV}, which keeps it out of the process list; unset: no key)")
+    security.add_argument("--max-request-bytes", type=positive_int, default=ServerLimits.max_body_bytes,
+                          help="larger request bodies are answered 413 (default 16 MiB)")
+    security.add_argument("--max-prompts-per-request", type=positive_int, default=ServerLimits.max_prompts,
+                          help="prompts one /v1/completions batch may hold; more are answered 400 (default 128)")
+    process = serve.add_argument_group("the engine process")
+    process.add_argument("--restart-engine", action="store_true",
+                         help="when the engine process dies, start a new one (default: the server exits, status 1)")
+    process.add_argument("--shutdown-timeout", type=float, default=30.0,
+                         help="seconds SIGTERM/SIGINT wait for running requests to finish before cancelling them")
     return serve
 
 
-def build_app(args: argparse.Namespace):
+def build_app(args: argparse.Namespace, on_engine_exit=None):
     from ioattn.engine.config import EngineConfig
-    from ioattn.engine.llm_engine import LLMEngine
     from ioattn.server.app import create_app
+    from ioattn.server.security import ServerLimits
     from ioattn.server.chat_template import ChatTemplate
-    from ioattn.server.engine_loop import DEFAULT_MAX_QUEUED_REQUESTS
+    from ioattn.server.core import EngineSpec
 
     config = EngineConfig(
         dtype=args.dtype, max_model_len=args.max_model_len, block_size=args.block_size, num_blocks=args.num_blocks,
@@ -62,35 +86,58 @@ def build_app(args: argparse.Namespace):
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager, device=args.device,
         async_scheduling=False if args.no_async_scheduling else None,
     )
-    if args.tensor_parallel_size == 1:
-        engine = LLMEngine(args.model, config)
-    else:
-        from ioattn.distributed.worker import TensorParallelEngine
-
-        engine = TensorParallelEngine(args.model, config, tensor_parallel_size=args.tensor_parallel_size)
-    return create_app(engine, served_model_name=args.served_model_name or args.model,
-                      chat_template=ChatTemplate.for_model(args.model, args.chat_template),
-                      max_queued_requests=args.max_queued_requests or DEFAULT_MAX_QUEUED_REQUESTS)
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tensor_parallel_size}")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    limits = ServerLimits(max_queued_requests=args.max_queued_requests or ServerLimits.max_queued_requests,
+                          max_prompts=args.max_prompts_per_request, max_body_bytes=args.max_request_bytes,
+                          api_key=args.api_key)
+    spec = EngineSpec(args.model, config, args.tensor_parallel_size, log_level=args.log_level)
+    return create_app(spec, served_model_name=args.served_model_name or args.model,
+                      chat_template=ChatTemplate.for_model(args.model, args.chat_template), limits=limits,
+                      restart_engine=args.restart_engine, on_engine_exit=on_engine_exit,
+                      address=f"http://{args.host}:{args.port}")
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (0, after draining) or until the engine process dies for good (1)."""
     import uvicorn
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    status = {"code": 0}
+    server = None
+
+    def engine_exited(why: str) -> None:
+        logging.getLogger("ioattn.server").error("stopping the server: %s (--restart-engine would start a new "
+                                                 "engine process instead)", why)
+        status["code"] = 1
+        server.should_exit = True
+
     try:
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = build_app(args)
+        app = build_app(args, on_engine_exit=engine_exited)
     except (ValueError, OSError) as error:  # a bad model, dtype, size or template file: argparse's way out
         print(f"ioattn serve: error: {error}", file=sys.stderr)
         return 2
-    # Everything allocated so far (torch, the model, the tokenizer: ~300k tracked objects) lives as long as the
-    # server; frozen, it leaves the cyclic GC's full collections, which otherwise stall a step for ~150 ms now and
-    # then (0.3 ms once frozen, measured with the engine's host path at 256 sequences).
+    # What this process holds (torch, the tokenizer) lives as long as it: frozen, it leaves the cyclic GC's full
+    # collections (the engine process does the same with its own).
     gc.collect()
     gc.freeze()
-    # One worker: the engine lives in this process. A long keep-alive spares load generators reconnects.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                backlog=4096)
-    return 0
+    # A long keep-alive spares load generators reconnects.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
+                            backlog=4096, timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    # uvicorn drains on SIGTERM/SIGINT, then raises the signal again for the handlers it found: quiet ones, so a
+    # drained server exits 0 instead of dying by the signal it already handled.
+    quiet = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in quiet.items():
+            signal.signal(sig, handler)
+    if not server.started:  # the engine could not start (the log says why)
+        return 1
+    return status["code"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
-"""Prometheus metrics of one server: engine state after every step, and per-request latencies.
+"""Prometheus metrics of one server: engine state, and per-request latencies.
 
-Gauges are set from the engine by the engine loop between steps (never while a step runs in its thread);
-counters move by the difference from the engine's cumulative counters; histograms observe each finished
-request's TTFT, TPOT and end-to-end latency from the engine's `RequestMetrics` (arrival = when the server
-received the request, so time queued in the server counts). Each app has its own registry, so several servers
-in one process (tests) do not collide.
+Gauges are set from the state the engine process sends after its steps (at most every 50 ms while busy, and
+once it is idle), so /metrics never waits for a step; counters move by the difference from the engine's
+cumulative counters; histograms observe each finished request's TTFT, TPOT and end-to-end latency from the
+engine's timings (arrival = when the HTTP process received the request, so time queued in the server counts).
+Each app has its own registry, so several servers in one process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ioattn.engine.outputs import RequestOutput
+from ioattn.server.transport import EngineState
 
 # Seconds; chosen to resolve both a CPU test model (seconds) and a GPU server (milliseconds).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -55,22 +56,25 @@ class ServerMetrics:
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
 
-    def update_engine(self, engine, num_not_admitted: int) -> None:
-        """Engine state after a step; call only while no step is running."""
-        scheduler = engine.scheduler
-        self.requests_running.set(len({seq.request_id for seq in scheduler.running}))
-        self.requests_waiting.set(len({seq.request_id for seq in scheduler.waiting}) + num_not_admitted)
-        self.requests_swapped.set(len({seq.request_id for seq in scheduler.swapped}))
-        kv = engine.kv.stats()
-        self.kv_usage.set(100.0 * kv.blocks_used / kv.num_blocks)
-        self.kv_blocks_used.set(kv.blocks_used)
-        self.kv_blocks_total.set(kv.num_blocks)
-        self.prefix_hit_rate.set(kv.prefix_hit_rate)
-        self.prefix_queries.inc(kv.prefix_query_tokens - self._last_prefix_queries)
-        self.prefix_hits.inc(kv.prefix_hit_tokens - self._last_prefix_hits)
-        self.preemptions.inc(scheduler.num_preemptions - self._last_preemptions)
-        self._last_prefix_queries, self._last_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
-        self._last_preemptions = scheduler.num_preemptions
+    def update_engine(self, state: EngineState, num_not_admitted: int) -> None:
+        """The engine's state as the engine process last sent it (after a step), and requests it has not taken."""
+        self.requests_running.set(state.requests_running)
+        self.requests_waiting.set(state.requests_waiting + num_not_admitted)
+        self.requests_swapped.set(state.requests_swapped)
+        self.kv_usage.set(100.0 * state.blocks_used / state.num_blocks)
+        self.kv_blocks_used.set(state.blocks_used)
+        self.kv_blocks_total.set(state.num_blocks)
+        queried, hits = state.prefix_query_tokens, state.prefix_hit_tokens
+        self.prefix_hit_rate.set(hits / queried if queried else 0.0)
+        self.prefix_queries.inc(queried - self._last_prefix_queries)
+        self.prefix_hits.inc(hits - self._last_prefix_hits)
+        self.preemptions.inc(state.preemptions - self._last_preemptions)
+        self._last_prefix_queries, self._last_prefix_hits = queried, hits
+        self._last_preemptions = state.preemptions
+
+    def engine_restarted(self) -> None:
+        """A new engine process counts from zero again."""
+        self._last_prefix_queries = self._last_prefix_hits = self._last_preemptions = 0
 
     def request_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

@@ -102,14 +102,15 @@ class _SamplingRequest(StrictModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility, unused
     # vLLM's extensions
-    top_k: int = 0
+    top_k: int = Field(0, le=INT64_MAX)  # bounds past the engine's own: what the engine process can be sent
     min_p: float = Field(0.0, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, allow_inf_nan=False)
-    min_tokens: int = 0
+    min_tokens: int = Field(0, le=INT64_MAX)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprob tokens written "token_id:N"
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -128,7 +129,7 @@ class _SamplingRequest(StrictModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    # One prompt: a string or token ids (OpenAI also allows a batch of prompts; send one request per prompt).
+    # One prompt (a string or token ids), or a batch of them (a list of strings or of token-id lists).
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)

@@ -1,26 +1,23 @@
-"""Fixtures: one `tiny` engine behind a real uvicorn server for the whole session, and an openai client.
+"""Fixtures: one `tiny` engine process behind a real uvicorn server for the whole session, and an openai client.
 
-Without the server's packages (fastapi, uvicorn, openai, prometheus-client, jinja2) these tests are not collected.
+Without the server's packages (fastapi, uvicorn, openai, prometheus-client, jinja2, pyzmq, msgspec) these tests
+are not collected.
 """
 
 import importlib.util
 
 import pytest
 
-SERVER_PACKAGES = ("fastapi", "uvicorn", "openai", "prometheus_client", "jinja2", "httpx")
+SERVER_PACKAGES = ("fastapi", "uvicorn", "openai", "prometheus_client", "jinja2", "httpx", "zmq", "msgspec")
 if any(importlib.util.find_spec(name) is None for name in SERVER_PACKAGES):
     collect_ignore_glob = ["test_*.py"]
 
 
 @pytest.fixture(scope="session")
 def live_server():
-    from ioattn.engine.llm_engine import LLMEngine
-    from ioattn.server.app import create_app
-    from server_helpers import MAX_MODEL_LEN, MAX_QUEUED_REQUESTS, MODEL, LiveServer
+    from server_helpers import LiveServer, scripted_app
 
-    engine = LLMEngine(MODEL, max_model_len=MAX_MODEL_LEN, max_num_seqs=256)
-    app = create_app(engine, served_model_name=MODEL, max_queued_requests=MAX_QUEUED_REQUESTS)
-    with LiveServer(app) as server:
+    with LiveServer(scripted_app()) as server:
         yield server
 
 

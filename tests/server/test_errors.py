@@ -4,20 +4,21 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import MAX_MODEL_LEN, MODEL
+from server_helpers import FAIL_ADD, FAIL_STEP, MAX_MODEL_LEN, MAX_PROMPTS, MODEL, assert_engine_empty
 
 GOOD = dict(model=MODEL, prompt="Hello", max_tokens=2)
 CHAT = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
 
 # (request body, the words the message must contain, the parameter the error names)
 BAD_COMPLETIONS = [
-    ({**GOOD, "model": "gpt-5"}, "does not exist", "model"),
     ({**GOOD, "prompt": ""}, "empty", "prompt"),
     ({**GOOD, "prompt": []}, "empty", "prompt"),
     ({**GOOD, "prompt": "x" * (2 * MAX_MODEL_LEN)}, "max_model_len", "prompt"),
     ({**GOOD, "prompt": "x" * (MAX_MODEL_LEN - 10), "max_tokens": 50}, "max_model_len", "max_tokens"),
     ({**GOOD, "prompt": [1, 2, 10**6]}, "token ids", "prompt"),
-    ({**GOOD, "prompt": ["a", "b"]}, "batch", "prompt"),
+    ({**GOOD, "prompt": ["a"] * (MAX_PROMPTS + 1)}, "batch", "prompt"),
+    ({**GOOD, "prompt": ["a", ""]}, "empty", "prompt.1"),
+    ({**GOOD, "prompt": [[1, 2], [3, 10**6]]}, "token ids", "prompt.1"),
     ({**GOOD, "max_tokens": -1}, "greater than or equal to 1", "max_tokens"),
     ({**GOOD, "max_tokens": 0}, "greater than or equal to 1", "max_tokens"),
     ({**GOOD, "temperature": -0.5}, "greater than or equal to 0", "temperature"),
@@ -64,6 +65,7 @@ def assert_error(response: httpx.Response, status: int, words: str, param: str |
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"], error
     assert error["param"] == param, error
+    return error
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,14 @@ def test_bad_request_is_400_naming_the_problem(http, path, body, words, param):
     # Streaming requests are checked before the stream starts.
     if isinstance(body, dict) and "model" in body:
         assert_error(http.post(path, json={**body, "stream": True}), 400, words, param)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {**GOOD, "model": "gpt-5"}),
+                                        ("/v1/chat/completions", {**CHAT, "model": "gpt-5", "stream": True})])
+def test_unknown_model_is_404_model_not_found(http, path, body):
+    """OpenAI's answer to a model it does not serve."""
+    error = assert_error(http.post(path, json=body), 404, "does not exist", "model")
+    assert error["code"] == "model_not_found"
 
 
 # Lone surrogates, as JSON escapes (clients refuse to encode them): raw bodies, and the param that names where.
@@ -131,8 +141,7 @@ def test_one_bad_request_does_not_fail_five_live_ones(live_server, http):
     for received in chunks:
         assert [c.choices[0].finish_reason for c in received if c.choices][-1] == "length"
         assert received[-1].usage.completion_tokens == 12
-    live_server.wait_idle()
-    assert live_server.server.engine.kv.stats().blocks_used == 0
+    assert live_server.wait_idle()["kv"]["blocks_used"] == 0
 
 
 def test_malformed_bodies(http):
@@ -150,16 +159,16 @@ def test_openai_client_sees_400_then_good_requests_succeed(live_server, client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
     assert "temperature" in str(caught.value)
-    with pytest.raises(openai.BadRequestError, match="does not exist"):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     assert client.completions.create(**GOOD).usage.completion_tokens >= 1
     assert client.chat.completions.create(**CHAT).choices[0].message.role == "assistant"
     live_server.wait_idle()
-    assert live_server.server.loop.alive
+    assert live_server.client.alive
 
 
 def test_overload_is_429(live_server, client):
-    loop = live_server.server.loop
+    loop = live_server.client
     saved = loop.max_queued_requests
     loop.max_queued_requests = 1
     try:
@@ -177,20 +186,11 @@ def test_overload_is_429(live_server, client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_failed_step_is_an_error_and_the_engine_keeps_serving(live_server, client, monkeypatch, stream):
-    """A step that raises fails the requests it held (500, or an error event mid-stream), frees their blocks,
-    and the loop serves the next request."""
-    engine = live_server.server.engine
-    real_step, calls = engine.step, []
-
-    def step_failing_once():
-        calls.append(1)
-        if len(calls) == 2:  # after the prefill: a streamed request has its first chunk
-            raise RuntimeError("injected failure")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", step_failing_once)
-    request = dict(model=MODEL, prompt="Doomed", max_tokens=8, extra_body={"ignore_eos": True})
+def test_failed_step_is_an_error_and_the_engine_keeps_serving(live_server, client, stream):
+    """A step that raises (in the engine process: FAIL_STEP makes the request's second step raise) fails the
+    requests it held (500, or an error event mid-stream), frees their blocks, and the engine serves the next
+    request."""
+    request = dict(model=MODEL, prompt=FAIL_STEP + "Doomed", max_tokens=8, extra_body={"ignore_eos": True})
     if stream:
         with pytest.raises(openai.APIError, match="injected failure"):
             for _ in client.completions.create(**request, stream=True):
@@ -198,22 +198,13 @@ def test_failed_step_is_an_error_and_the_engine_keeps_serving(live_server, clien
     else:
         with pytest.raises(openai.InternalServerError, match="injected failure"):
             client.completions.create(**request)
-    live_server.wait_idle()
-    assert engine.kv.stats().blocks_used == 0
+    assert_engine_empty(live_server.wait_idle())
     assert client.completions.create(**GOOD).usage.completion_tokens >= 1
 
 
-def test_an_add_request_that_raises_fails_that_request_alone(live_server, client, monkeypatch):
-    """Not a ValueError: a bug, reported as a 500 for that request; the engine loop lives on (it used to die)."""
-    engine = live_server.server.engine
-    real_add = engine.add_request
-
-    def add_failing_once(*args, **kwargs):
-        monkeypatch.setattr(engine, "add_request", real_add)
-        raise TypeError("injected add failure")
-
-    monkeypatch.setattr(engine, "add_request", add_failing_once)
+def test_an_add_request_that_raises_fails_that_request_alone(live_server, client):
+    """Not a ValueError: a bug, reported as a 500 for that request; the engine lives on (it used to die)."""
     with pytest.raises(openai.InternalServerError, match="injected add failure"):
-        client.completions.create(**GOOD)
-    assert live_server.server.loop.alive
+        client.completions.create(**{**GOOD, "prompt": FAIL_ADD + "Hello"})
+    assert live_server.client.alive
     assert client.completions.create(**GOOD).usage.completion_tokens >= 1

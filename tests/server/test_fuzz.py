@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server_helpers import MAX_MODEL_LEN, MODEL
+from server_helpers import MAX_MODEL_LEN, MODEL, assert_engine_empty
 
 LIVE_STREAMS = 3
 LIVE_TOKENS = 12
@@ -187,13 +187,10 @@ def fuzz_cases(live_server, http, max_examples: int) -> None:
     assert not live.failures, live.failures[:3]
     assert live.finished >= LIVE_STREAMS
     live_server.wait_idle()
-    engine = live_server.server.engine
-    stats = engine.kv.stats()
-    assert stats.blocks_used == 0 and stats.sequences_running == stats.sequences_swapped == 0, stats
-    assert stats.blocks_free + stats.blocks_cached == stats.num_blocks
-    engine.kv.check_invariants()
-    assert live_server.server.loop.alive
-
+    stats = live_server.engine_stats(check_invariants=True)
+    assert_engine_empty(stats)
+    assert stats["invariants"] == "ok", stats["invariants"]
+    assert live_server.client.alive
 
 def test_fuzz_every_field_while_streams_run(live_server, http):
     fuzz_cases(live_server, http, max_examples=150)

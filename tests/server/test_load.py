@@ -8,7 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_helpers import MODEL
+from server_helpers import MODEL, SLOW_STEP, assert_engine_empty
 
 NUM_STREAMS = 500
 NUM_DISCONNECTS = 100
@@ -30,15 +30,6 @@ def scrape(url: str) -> dict[str, float]:
 
 def delta(after: dict, before: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
-
-
-def assert_engine_empty(live_server):
-    live_server.wait_idle(timeout=60)
-    stats = live_server.server.engine.kv.stats()
-    assert stats.blocks_used == 0 and stats.sequences_running == 0 and stats.sequences_swapped == 0
-    assert stats.blocks_free + stats.blocks_cached == stats.num_blocks
-    engine = live_server.server.engine
-    assert not (engine.scheduler.running or engine.scheduler.waiting or engine.scheduler.swapped)
 
 
 async def _load(url: str) -> tuple[list[str], list[int]]:
@@ -72,7 +63,7 @@ def test_concurrent_streams_and_disconnects(live_server):
     reasons, chunks = asyncio.run(asyncio.wait_for(_load(live_server.url), timeout=240))
     assert reasons == ["length"] * NUM_STREAMS
     assert chunks == [1] * NUM_DISCONNECTS
-    assert_engine_empty(live_server)
+    assert_engine_empty(live_server.wait_idle())
     after = scrape(live_server.url)
     assert delta(after, before, 'ioattn_request_finished_total{finish_reason=length}') == NUM_STREAMS
     # Every leaver was aborted mid-stream, none ran to its LONG tokens.
@@ -84,21 +75,15 @@ def test_concurrent_streams_and_disconnects(live_server):
     print(f"{NUM_STREAMS} streams + {NUM_DISCONNECTS} disconnects in {time.monotonic() - start:.1f} s")
 
 
-def test_non_streaming_client_timeout_aborts(live_server, monkeypatch):
+def test_non_streaming_client_timeout_aborts(live_server):
     """A client that gives up on a non-streaming request (the server gets no cancel, only a closed socket)."""
-    engine = live_server.server.engine
-    real_step = engine.step
-
-    def slow_step():  # so the request cannot finish before the client's timeout, however fast the device
-        time.sleep(0.02)
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
     before = scrape(live_server.url)
-    body = dict(model=MODEL, prompt="patience", max_tokens=LONG, ignore_eos=True)
+    # SLOW_STEP: each step takes 20 ms more, so the request cannot finish before the client's timeout, however
+    # fast the device.
+    body = dict(model=MODEL, prompt=SLOW_STEP + "patience", max_tokens=LONG, ignore_eos=True)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
-    assert_engine_empty(live_server)
+    assert_engine_empty(live_server.wait_idle())
     after = scrape(live_server.url)
     assert delta(after, before, "ioattn_request_finished_total{finish_reason=abort}") == 1
     assert delta(after, before, "ioattn_generation_tokens_total") < LONG
@@ -120,4 +105,4 @@ def test_metrics_parse_and_move(live_server, client):
     for gauge in ("ioattn_num_requests_swapped", "ioattn_kv_cache_blocks_total", "ioattn_prefix_cache_hit_rate",
                   "ioattn_num_preemptions_total"):
         assert gauge in after
-    assert after["ioattn_kv_cache_blocks_total"] == live_server.server.engine.kv.stats().num_blocks
+    assert after["ioattn_kv_cache_blocks_total"] == live_server.engine_stats()["kv"]["num_blocks"]
