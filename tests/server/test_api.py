@@ -3,10 +3,11 @@
 import httpx
 import pytest
 
+import ioattn
 from ioattn.models.tokenizer import ByteTokenizer
 from ioattn.server.chat_template import ChatTemplate
 
-from server_helpers import MAX_MODEL_LEN, MODEL
+from server_helpers import MAX_MODEL_LEN, MODEL, SLOW_STEP
 
 TOKENIZER = ByteTokenizer()
 LENGTH = {"ignore_eos": True}  # every sample runs to max_tokens: token counts are exact
@@ -149,3 +150,68 @@ def test_chat_template_from_checkpoint(tmp_path):
     with pytest.raises(TemplateError, match="only text parts"):
         chat.render([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert ChatTemplate.for_model("tiny").add_special_tokens
+
+
+def test_a_batch_of_prompts(live_server, client):
+    """A list of prompts is one request per prompt: choice i * n + j is sample j of prompt i (greedy here, so
+    each prompt's samples are its own single request's text); usage adds up; streamed or not."""
+    prompts = ["a", "bb", "The sky is"]
+    request = dict(model=MODEL, max_tokens=4, temperature=0, n=2, extra_body=LENGTH)
+    alone = [client.completions.create(**request, prompt=p).choices[0].text for p in prompts]
+    full = client.completions.create(**request, prompt=prompts)
+    assert [c.index for c in full.choices] == list(range(6))
+    assert [c.text for c in full.choices] == [text for text in alone for _ in range(2)]
+    assert full.usage.prompt_tokens == sum(len(TOKENIZER.encode(p)) for p in prompts)
+    assert full.usage.completion_tokens == 6 * 4
+    texts, _, reasons, usages = streamed(client.completions.create(**request, prompt=prompts, stream=True,
+                                                                   stream_options={"include_usage": True}))
+    assert texts == {c.index: c.text for c in full.choices} and set(reasons.values()) == {"length"}
+    assert usages == [full.usage]
+    by_ids = client.completions.create(**request, prompt=[TOKENIZER.encode(p) for p in prompts])
+    assert [c.text for c in by_ids.choices] == [c.text for c in full.choices]
+    live_server.wait_idle()
+
+
+def test_logprobs_keep_every_entry(client):
+    """Tokens that decode alike (single bytes of multi-byte characters all decode to U+FFFD) keep one entry each:
+    the later ones keyed token_id:N; return_tokens_as_token_ids names every token so."""
+    request = dict(model=MODEL, prompt="\u00e9t\u00e9", max_tokens=8, temperature=0, logprobs=5, extra_body=LENGTH)
+    lp = client.completions.create(**request).choices[0].logprobs
+    assert all(len(top) == 5 for top in lp.top_logprobs)
+    assert any(key.startswith("token_id:") for top in lp.top_logprobs for key in top)
+    as_ids = client.completions.create(**{**request, "extra_body": {**LENGTH, "return_tokens_as_token_ids": True}})
+    ids_lp = as_ids.choices[0].logprobs
+    assert all(token.startswith("token_id:") for token in ids_lp.tokens)
+    assert [sorted(top.values()) for top in ids_lp.top_logprobs] == [sorted(top.values()) for top in lp.top_logprobs]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "\u00e9t\u00e9"}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=5,
+                                          extra_body={**LENGTH, "return_tokens_as_token_ids": True})
+    for token in chat.choices[0].logprobs.content:
+        assert token.token.startswith("token_id:") and len({t.token for t in token.top_logprobs}) == 5
+
+
+def test_stop_string_ends_the_request_in_the_engine(live_server, client):
+    """Stop strings are matched in the HTTP process, which then aborts the request in the engine: with steps
+    slowed to 20 ms (SLOW_STEP) the 400-token request would run 8 s; it is gone from the engine at once."""
+    prompt = SLOW_STEP + "abc"
+    free = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                     extra_body=LENGTH).choices[0].text
+    stop = next((ch for ch in free[1:] if ch.isascii() and ch.isprintable()), None)
+    if stop is None:
+        pytest.skip("the tiny model wrote no ASCII character to stop on")
+    (choice,) = client.completions.create(model=MODEL, prompt=prompt, max_tokens=400, temperature=0, stop=stop,
+                                          extra_body=LENGTH).choices
+    assert (choice.text, choice.finish_reason) == (free[: free.index(stop)], "stop")
+    assert live_server.wait_idle(timeout=2)["unfinished_requests"] == 0
+
+
+def test_version_and_content_types(live_server):
+    assert httpx.get(live_server.url + "/version").json() == {"version": ioattn.__version__}
+    body = b'{"model": "tiny", "prompt": "Hi", "max_tokens": 2}'
+    for headers in ({"content-type": "text/plain"}, {}, {"content-type": "application/x-www-form-urlencoded"}):
+        response = httpx.post(live_server.url + "/v1/completions", content=body, headers=headers)
+        assert response.status_code == 415, response.text
+        assert "must be JSON sent as Content-Type: application/json" in response.json()["error"]["message"]
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/merge-patch+json"):
+        response = httpx.post(live_server.url + "/v1/completions", content=body, headers={"content-type": content_type})
+        assert response.status_code == 200, (content_type, response.text)
