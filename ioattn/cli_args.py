@@ -26,3 +26,26 @@ def fail(command: str, message: str) -> int:
     """argparse's way out: the message on stderr, exit status 2."""
     print(f"ioattn {command}: error: {message}", file=sys.stderr)
     return 2
+
+
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "fp8_e5m2")
+
+
+def kv_cache_scales(text: str) -> float | str:
+    """argparse type of --kv-cache-scales: a number (every layer and head), or 'checkpoint' / 'calibrate' / a JSON
+    file path (passed on as text; the engine checks it)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """--kv-cache-dtype and --kv-cache-scales, as every engine-building command takes them."""
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                        help="the KV cache's element type: auto (the model's dtype) or an fp8 format (one byte per "
+                        "element: the pool holds twice the tokens of a 16-bit cache)")
+    parser.add_argument("--kv-cache-scales", type=kv_cache_scales, default=None, metavar="SCALES",
+                        help="fp8 only: 'checkpoint', 'calibrate' (a short pass at start-up), a number for every "
+                        "layer and head (1.0 warns: uncalibrated) or a JSON file {k_scale, v_scale}; default: the "
+                        "checkpoint's, else calibrated")

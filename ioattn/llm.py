@@ -44,18 +44,24 @@ class LLM:
         device: str | torch.device | None = None,
         tensor_parallel_size: int = 1,
         async_scheduling: bool | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_cache_scales: str | float | None = None,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
         swap_space, watermark, enforce_eager). tensor_parallel_size > 1 runs the model on that many processes
         (one GPU each on CUDA; `model` must then be a checkpoint folder or preset name); `shutdown()` stops them.
         async_scheduling: schedule and prepare step t+1 while the device runs step t (the same outputs; see
-        `ioattn.engine.llm_engine`); None: on, except with tensor parallelism (where True raises ValueError)."""
+        `ioattn.engine.llm_engine`); None: on, except with tensor parallelism (where True raises ValueError).
+        kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2" (one byte per cached element: the
+        pool holds twice the tokens of a 16-bit cache); kv_cache_scales: for fp8, None (the checkpoint's, else
+        calibrated at start-up), "checkpoint", "calibrate", a number or a JSON file (`ioattn.engine.kv_scales`)."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            preemption_mode=preemption_mode, device=device, async_scheduling=async_scheduling, **engine_kwargs,
+            preemption_mode=preemption_mode, device=device, async_scheduling=async_scheduling,
+            kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales, **engine_kwargs,
         )
         if tensor_parallel_size == 1:
             self.engine = LLMEngine(model, config)

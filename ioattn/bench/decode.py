@@ -18,8 +18,16 @@ Nk 8k, causal bottom-right) through `ioattn.paged_attention` (its default path, 
 runs the dense forward for chunks this long, and the paged kernel forced with `gather=False`), against the dense
 forward `ioattn.flash_attn_func` at the same shape; TFLOP/s by FlashAttention's count (4·B·Hq·Nq·Nk·D).
 
-`--tune` also times every `candidate_configs` entry and a range of split counts for `ioattn-paged`, and
-records the fastest in the row's `extra` (for setting the defaults in ioattn/ops/paged.py).
+`--kv-cache-dtype fp8_e4m3` (or fp8_e5m2) adds `ioattn-paged-fp8`: the same kernel over the same block-16
+shuffled pool of the same keys and values quantized to fp8 (per-KV-head scales from their amax, the engine's
+calibration rule), beside bf16 ioattn and the peers on the bf16 cache. Its rate counts the bytes it reads, one
+per element (2·B·L·Hkv·D), so TB/s compare memory traffic and "tokens/s" (B·L / time, context tokens read per
+second) compares useful work; its `error` is against float64 attention on the dequantized cache (what the kernel
+computes), `extra.error_vs_bf16` against the unquantized one (the quantization's own error, for a random cache).
+The report adds fp8 / bf16 and fp8 / peer ratios, and the issue's bar where B·L >= 64k.
+
+`--tune` also times every `candidate_configs` entry and a range of split counts for `ioattn-paged` (and
+`ioattn-paged-fp8`), and records the fastest in the row's `extra` (for setting the defaults in ioattn/ops/paged.py).
 """
 
 from __future__ import annotations
@@ -35,12 +43,18 @@ import torch
 
 from ioattn.bench import harness
 from ioattn.bench.harness import Row
+from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize, scale_for_amax
 from ioattn.ops.paged import candidate_configs, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
 SDPA_PEERS = {"torch-flash": "FLASH_ATTENTION", "torch-efficient": "EFFICIENT_ATTENTION",
               "torch-cudnn": "CUDNN_ATTENTION"}
 BACKENDS = ("ioattn-paged", "ioattn-contiguous", *SDPA_PEERS, "flex")
+FP8_BACKEND = "ioattn-paged-fp8"  # with --kv-cache-dtype fp8_*
+FP8_HEADROOM = 1.25  # the engine's calibration rule (ioattn.engine.kv_scales)
+# The issue's bar for the fp8 row, where B·L >= BAR_TOKENS: rate over bf16 ioattn-paged and over torch CUDNN.
+BAR_TOKENS = 65536
+BAR = {"ioattn-paged": 1.7, "torch-cudnn": 1.6}
 PAGED_BLOCK = 16
 CONTIGUOUS_BLOCK = 256  # the largest block the kernel takes: one table entry per 256 contiguous tokens
 TUNE_SPLITS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 66, 96, 132)
@@ -65,7 +79,11 @@ class Case:
 
     @property
     def kv_bytes(self) -> int:
-        return 2 * self.batch * self.seqlen * self.heads_kv * self.head_dim * harness.parse_dtype(self.dtype).itemsize
+        return self.kv_bytes_at(harness.parse_dtype(self.dtype).itemsize)
+
+    def kv_bytes_at(self, itemsize: int) -> int:
+        """Bytes of K and V read with `itemsize` bytes per element (1 for an fp8 cache)."""
+        return 2 * self.batch * self.seqlen * self.heads_kv * self.head_dim * itemsize
 
 
 def build_cases(args) -> list[Case]:
@@ -126,9 +144,10 @@ def capture_graph(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any]
 # --- backends -----------------------------------------------------------------------------------------------
 
 
-def layer_count(case: Case, args) -> int:
-    """How many distinct caches one timed graph runs through: as many as fit in --layers-gib, at most --layers."""
-    return max(1, min(args.layers, int(args.layers_gib * 2**30 // case.kv_bytes)))
+def layer_count(case: Case, args, kv_bytes: int | None = None) -> int:
+    """How many distinct caches one timed graph runs through: as many as fit in --layers-gib, at most --layers.
+    kv_bytes: one cache's bytes, when not the case's dtype's (an fp8 cache)."""
+    return max(1, min(args.layers, int(args.layers_gib * 2**30 // (kv_bytes or case.kv_bytes))))
 
 
 def _layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[torch.Tensor, ...]]:
@@ -137,13 +156,13 @@ def _layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[
 
 
 def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0,
-                        layers=1):
+                        layers=1, k_scale=None, v_scale=None):
     """The `ioattn-paged` / `ioattn-contiguous` backend of this benchmark, ready to time (a benchmark hook: `lab/`
     uses it too). k, v (B, L, Hkv, D) become the pool itself, viewed as blocks of `block` tokens and, if
     `shuffled`, scattered through it in place; `config` and `num_splits` go to `plan_paged_attention`.
     Returns (forward, out, plan, restore): forward() runs paged_attention over `layers` copies of the cache into
     `out` and returns it, plan is the plan it runs, restore() undoes the scatter (call it before k and v are
-    read as dense tensors again)."""
+    read as dense tensors again). k_scale / v_scale: an fp8 k and v's per-head scales."""
     blocks = case.seqlen // block
     k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
@@ -161,7 +180,7 @@ def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool
     def forward():
         for layer_k, layer_v in caches:
             paged_attention(q, layer_k, layer_v, table, lens, out=out, workspace=workspace,
-                            num_splits=plan.num_splits, config=plan.config)
+                            num_splits=plan.num_splits, config=plan.config, k_scale=k_scale, v_scale=v_scale)
         return out
 
     def restore():  # undo the scatter so later backends see the contiguous cache again
@@ -224,26 +243,33 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
 
     layers = layer_count(case, args)
 
-    def add(name, fn, out_of: Callable[[], torch.Tensor], used: str, extra=None):
+    def add(name, fn, out_of: Callable[[], torch.Tensor], used: str, extra=None, *, kv_bytes=None, row_layers=None,
+            row_ref=None):
         result: dict[str, Any] = {}
+        kv_bytes = kv_bytes or case.kv_bytes
 
         def work():
-            ms, how = _measure(fn, device, args, layers)
-            result.update(ms=ms, how=how, error=rel_error(out_of(), ref))
+            ms, how = _measure(fn, device, args, row_layers or layers)
+            result.update(ms=ms, how=how, error=rel_error(out_of(), ref if row_ref is None else row_ref))
+            if row_ref is not None:
+                row.extra["error_vs_bf16"] = rel_error(out_of(), ref)
 
-        status = harness.guarded(work, ours=name.startswith("ioattn"))
-        row = Row(case.columns(), name, status=status, extra=extra or {})
-        if status == "ok":
+        row = Row(case.columns(), name, extra=extra or {})
+        row.status = harness.guarded(work, ours=name.startswith("ioattn"))
+        if row.status == "ok":
             row.ms, row.error = result["ms"], result["error"]
             row.used = f"{used}, {result['how']}"
-            row.rate = case.kv_bytes / (row.ms * 1e-3) / 1e12
+            row.rate = kv_bytes / (row.ms * 1e-3) / 1e12
             row.ceiling_pct = 100.0 * row.rate / copy_tbps if copy_tbps else None
+            row.extra.update(kv_bytes=kv_bytes, tokens_per_s=case.batch * case.seqlen / (row.ms * 1e-3))
         rows.append(row)
 
     for name, block, shuffled in (("ioattn-paged", PAGED_BLOCK, True),
                                   ("ioattn-contiguous", _contiguous_block(case.seqlen), False)):
         if name in args.backends:
             _ioattn_row(name, case, (q, k, v, lens), ref, block, shuffled, add, args, layers)
+    if FP8_BACKEND in args.backends:
+        _fp8_row(case, q, k, v, lens, add, args)
 
     peers = [n for n in args.backends if not n.startswith("ioattn")]
     if peers:
@@ -280,6 +306,36 @@ def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, 
         extra["tuning"] = tune(case, *inputs, ref, args, layers)
 
 
+def fp8_inputs(k: torch.Tensor, v: torch.Tensor, fp8: torch.dtype):
+    """k, v (B, L, Hkv, D) quantized to `fp8` with per-KV-head scales from their amax (the engine's calibration
+    rule): (k8, v8, k_scale, v_scale), the fp8 tensors in the same layout."""
+    out = []
+    for t in (k, v):
+        scale = scale_for_amax(t.abs().amax(dim=(0, 1, 3)).float().cpu(), fp8, FP8_HEADROOM).to(t.device)
+        out += [quantize(t.reshape(-1, *t.shape[2:]), scale, fp8).view(t.shape), scale]
+    return out[0], out[2], out[1], out[3]
+
+
+def _fp8_row(case: Case, q, k, v, lens, add, args) -> None:
+    """The `ioattn-paged-fp8` row: k and v quantized, a block-16 shuffled pool, one byte per element read."""
+    fp8 = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    k8, v8, k_scale, v_scale = fp8_inputs(k, v, fp8)
+    ref8, _ = attention_ref(q[:1, None], dequantize(k8[:1], k_scale, torch.float64),
+                            dequantize(v8[:1], v_scale, torch.float64))
+    kv_bytes = case.kv_bytes_at(1)
+    layers = layer_count(case, args, kv_bytes)
+    forward, out, plan, restore = paged_decode_runner(case, q, k8, v8, lens, block=PAGED_BLOCK, shuffled=True,
+                                                      layers=layers, k_scale=k_scale, v_scale=v_scale)
+    extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": PAGED_BLOCK,
+             "layers": layers, "kv_cache_dtype": args.kv_cache_dtype}
+    add(FP8_BACKEND, forward, lambda: out[0], f"paged_attention block {PAGED_BLOCK}, {args.kv_cache_dtype} cache, "
+        f"{plan.num_splits} splits", extra, kv_bytes=kv_bytes, row_layers=layers, row_ref=ref8[0, 0])
+    del forward
+    restore()
+    if args.tune:
+        extra["tuning"] = tune(case, q, k8, v8, lens, ref8[0, 0], args, layers, k_scale=k_scale, v_scale=v_scale)
+
+
 def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
     """Time each (config, splits) trial; `run_trial` returns (ms, error, plan). The five fastest correct trials
     come first; a trial that misses the reference or fails is listed apart under "wrong", never ranked."""
@@ -299,18 +355,20 @@ def _rank(trials, run_trial, tolerance: float) -> list[dict[str, Any]]:
     return ranked + ([{"wrong": wrong}] if wrong else [])
 
 
-def tune(case: Case, q, k, v, lens, ref, args, layers: int = 1) -> list[dict[str, Any]]:
-    """Every decode candidate config (heuristic splits), then every split count in TUNE_SPLITS (default config)."""
+def tune(case: Case, q, k, v, lens, ref, args, layers: int = 1, k_scale=None, v_scale=None) -> list[dict[str, Any]]:
+    """Every decode candidate config (heuristic splits), then every split count in TUNE_SPLITS (default config).
+    k, v may be fp8 (with their scales): the candidates then include the tiles of twice as many keys."""
     def run_trial(config, splits):
         forward, out, plan, restore = paged_decode_runner(case, q, k, v, lens, block=PAGED_BLOCK, shuffled=True,
-                                                          config=config, num_splits=splits, layers=layers)
+                                                          config=config, num_splits=splits, layers=layers,
+                                                          k_scale=k_scale, v_scale=v_scale)
         try:
             ms, _ = _measure(forward, args.device, args, layers)
             return ms, rel_error(out[0], ref), plan
         finally:
             restore()
 
-    trials = [(c, 0) for c in candidate_configs(decode=True, head_dim=case.head_dim)]
+    trials = [(c, 0) for c in candidate_configs(decode=True, head_dim=case.head_dim, cache_dtype=k.dtype)]
     trials += [(None, s) for s in TUNE_SPLITS]
     return _rank(trials, run_trial, TOLERANCE[q.dtype])
 
@@ -423,6 +481,10 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], prefill: list[Row]) -
         harness.ratio_table(rows, CASE_COLUMNS, "ioattn-paged", ["ioattn-contiguous", "torch-cudnn", "torch-flash",
                                                                  "flex"]),
     ]
+    if any(row.backend == FP8_BACKEND for row in rows):
+        parts += ["", f"{FP8_BACKEND}: K/V bytes are 1 per element. Ratios of context tokens read per second "
+                  "(fp8 / bf16 cache; equal to the ratio of times):", "",
+                  _fp8_ratio_table(rows), "", _fp8_bar(rows)]
     if prefill:
         parts += ["", "Chunked prefill (TFLOP/s, 4·B·Hq·Nq·Nk·D):", "",
                   harness.rows_table(prefill, [("Nq", "Nq"), ("Nk", "L"), ("Hq/Hkv", "heads"), ("D", "D")], "TFLOP/s")]
@@ -441,6 +503,48 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], prefill: list[Row]) -
     return "\n".join(parts) + "\n"
 
 
+def _speedups(rows: list[Row]) -> list[tuple[dict, dict[str, float]]]:
+    """(case, {peer: fp8 tokens/s over the peer's}) per case that has an fp8 row."""
+    by_case: dict[tuple, dict[str, Row]] = {}
+    for row in rows:
+        if row.status == "ok":
+            by_case.setdefault(tuple(row.case[k] for _, k in CASE_COLUMNS), {})[row.backend] = row
+    out = []
+    for backends in by_case.values():
+        mine = backends.get(FP8_BACKEND)
+        if mine is None:
+            continue
+        out.append((mine.case, {peer: backends[peer].ms / mine.ms for peer in ("ioattn-paged", "torch-cudnn",
+                                                                              "torch-flash") if peer in backends}))
+    return out
+
+
+def _fp8_ratio_table(rows: list[Row]) -> str:
+    body = [[case[k] for _, k in CASE_COLUMNS] + [f"{ratios[p]:.2f}×" if p in ratios else None
+                                                  for p in ("ioattn-paged", "torch-cudnn", "torch-flash")]
+            for case, ratios in _speedups(rows)]
+    return harness.markdown_table([h for h, _ in CASE_COLUMNS] + [f"{FP8_BACKEND} / {p}" for p in
+                                                                  ("ioattn-paged", "torch-cudnn", "torch-flash")], body)
+
+
+def _fp8_bar(rows: list[Row]) -> str:
+    """Whether the fp8 row meets the bar on every case with B·L >= BAR_TOKENS."""
+    misses, checked = [], 0
+    for case, ratios in _speedups(rows):
+        if case["B"] * case["L"] < BAR_TOKENS:
+            continue
+        for peer, bar in BAR.items():
+            if peer in ratios:
+                checked += 1
+                if ratios[peer] < bar:
+                    misses.append(f"B{case['B']} L{case['L']} {case['heads']} vs {peer}: {ratios[peer]:.2f}× < {bar}×")
+    bars = ", ".join(f"≥ {bar}× {peer}" for peer, bar in BAR.items())
+    if not checked:
+        return f"Bar ({bars} where B·L ≥ {BAR_TOKENS}): no case measured."
+    verdict = "met on every one" if not misses else f"missed on {len(misses)}: " + "; ".join(misses)
+    return f"Bar ({bars} where B·L ≥ {BAR_TOKENS}): {checked} comparisons, {verdict}."
+
+
 # --- command line -------------------------------------------------------------------------------------------
 
 
@@ -457,11 +561,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heads", type=_heads, help="Hq/Hkv pairs (default 32/8,32/32)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", help="bfloat16 (CUDA default) / float16 / float32 (CPU default)")
-    p.add_argument("--backends", type=harness.name_list(BACKENDS), help=f"any of {', '.join(BACKENDS)}")
+    p.add_argument("--backends", type=harness.name_list((*BACKENDS, FP8_BACKEND)),
+                   help=f"any of {', '.join(BACKENDS)} ({FP8_BACKEND} with --kv-cache-dtype)")
     p.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="chunked-prefill rows (default: on with CUDA)")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="new tokens = cached tokens (default 4096)")
     p.add_argument("--tune", action="store_true", help="time candidate configs and split counts for ioattn-paged")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=tuple(KV_CACHE_DTYPES),
+                   help=f"fp8_e4m3 / fp8_e5m2: add {FP8_BACKEND}, the paged kernel over the cache quantized to it "
+                        "(beside the bf16 rows)")
     p.add_argument("--max-kv-gib", type=float, default=60.0, help="skip cases whose K+V exceed this")
     p.add_argument("--layers", type=int,
                    help="distinct caches run back to back in one timed graph, as a model's layers (default 32 on "
@@ -488,6 +596,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.head_dim = 64
     args.dtype = harness.dtype_name(harness.parse_dtype(args.dtype or ("bfloat16" if cuda else "float32")))
     args.backends = args.backends or list(BACKENDS)
+    if args.kv_cache_dtype != "auto" and FP8_BACKEND not in args.backends:
+        args.backends.append(FP8_BACKEND)
+    if args.kv_cache_dtype == "auto" and FP8_BACKEND in args.backends:
+        p.error(f"--backends {FP8_BACKEND} needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2")
     args.prefill = cuda if args.prefill is None else args.prefill
     args.layers = (32 if cuda else 1) if args.layers is None else args.layers
     if args.layers < 1:
@@ -511,7 +623,9 @@ def main(argv: list[str] | None = None) -> int:
             "backends": args.backends, "dtype": args.dtype, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
             "paged": f"block {PAGED_BLOCK}, blocks shuffled through the pool; contiguous: identity table, "
                      f"block {CONTIGUOUS_BLOCK}; SDPA/Flex: contiguous (B, H, L, D) copy",
-            "rate": "bytes of K and V read per second, 2·B·L·Hkv·D·itemsize / time",
+            "rate": "bytes of K and V read per second, 2·B·L·Hkv·D·itemsize / time (itemsize 1 for fp8 rows); "
+                    "extra.tokens_per_s: B·L / time",
+            "kv_cache_dtype": args.kv_cache_dtype,
             "error": "first sequence vs float64 attention_ref",
             "graphs": "each backend captured in a CUDA graph when it allows (see `used`)",
             "layers": f"per-layer time in a graph over distinct cache copies, up to {args.layers} layers within "

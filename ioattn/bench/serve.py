@@ -1,18 +1,23 @@
-"""`ioattn bench serve`: a synthetic serving workload through a server and/or offline systems, side by side.
+"""`ioattn bench serve`: a serving workload through a server and/or offline systems, side by side, reported with
+vLLM's `benchmark_serving` flags and metric names so results compare with published ones.
 
     ioattn bench serve --url http://127.0.0.1:8000                    # a running server (any OpenAI-compatible one)
     ioattn bench serve --launch --offline --model llama3-8b-shape     # start `ioattn serve`, then ioattn.LLM
+    ioattn bench serve --launch --model smollm2 --request-rate 1,2,4,inf --goodput ttft:2000 tpot:50 --out DIR
+    ioattn bench serve --launch --dataset-name sharegpt --dataset-path ShareGPT_V3.json --num-prompts 1000
     ioattn bench serve --compare ioattn,static,hf --model llama3-8b-shape --out bench/results
     ioattn bench serve --tp 1,2 --model llama3-8b-shape                # the same workload at TP 1 and TP 2
     ioattn bench serve --disagg --model llama3-8b-shape --input-len 1024 2048 --output-len 32 --concurrency 16
 
-Workload: `--num-requests` prompts of random token ids (lengths uniform in `--input-len MIN MAX`, exact: they are
-sent as token ids), each asking for `--output-len` tokens (or uniform in `--output-len MIN MAX`) with
-`ignore_eos` (vLLM's extension) so every request generates exactly its length; greedy by default. Requests
-arrive as a Poisson process at `--request-rate` per second (default: all at once), or are kept at
-`--concurrency` in flight. Every request streams (SSE) with usage; the client records TTFT (first chunk),
-TPOT ((latency - TTFT) / (tokens - 1)) and latency; output throughput is all generated tokens over the wall
-time from the first send to the last response.
+Workload: `--num-prompts` requests from `--dataset-name` (`ioattn.bench.datasets`): `random` token-id prompts
+(lengths uniform in `--input-len MIN MAX`, or vLLM's `--random-input-len/--random-output-len/--random-range-ratio`;
+exact, since they are sent as ids), a ShareGPT-format file, or `sonnet-like` prompts sharing a prefix. Each asks
+for its output length with `ignore_eos` (vLLM's extension), so every request generates exactly that; greedy by
+default. Requests arrive as a Poisson process at `--request-rate` per second (default `inf`: all at once), or are
+kept at `--max-concurrency` in flight. Against a server (`ioattn.bench.serve_online`) every request streams;
+reported: request, output and total token throughput, goodput under `--goodput` SLOs, and TTFT, TPOT, ITL and
+E2EL (mean, median, P99) as `ioattn.bench.workload` defines them. Several rates (`--request-rate 2,4,8,inf`) are a
+sweep: the server runs each in turn, and `--out` adds a PNG of latency against throughput.
 
 `--compare` runs the same requests offline, all submitted at once, through ioattn's continuous batching
 (`ioattn`), its static-batching baseline (`static`) and transformers' continuous batching (`hf`), and reports
@@ -34,159 +39,32 @@ these modes follow (see `ioattn.bench.serve_offline`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import math
 import os
-import socket
-import subprocess
 import sys
-import time
 
-from ioattn.bench.workload import Result, WorkItem, arrival_offsets, make_workload, summarize
-
-# -- the server run ------------------------------------------------------------------------------------------
-
-
-async def _one_request(client, url: str, model: str, item: WorkItem, temperature: float) -> Result:
-    body = {"model": model, "prompt": item.prompt_token_ids, "max_tokens": item.output_len, "stream": True,
-            "temperature": temperature, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    ttft, tokens = None, 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return Result(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    return Result(False, error=str(chunk["error"].get("message")))
-                if chunk.get("choices") and ttft is None:
-                    ttft = time.perf_counter() - start
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    except Exception as error:  # a failed request is counted and reported, the run goes on
-        return Result(False, error=f"{type(error).__name__}: {error}")
-    latency = time.perf_counter() - start
-    return Result(True, ttft=latency if ttft is None else ttft, latency=latency, output_tokens=tokens)
-
-
-async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float, concurrency: int | None,
-                 temperature: float, seed: int) -> tuple[list[Result], float]:
-    import httpx
-
-    limit = concurrency or len(work)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60), limits=limits) as client:
-        await _one_request(client, url, model, WorkItem([1, 2, 3, 4], 4), temperature)  # warm-up
-        gate = asyncio.Semaphore(limit)
-
-        async def run(item: WorkItem) -> Result:
-            async with gate:
-                return await _one_request(client, url, model, item, temperature)
-
-        start = time.perf_counter()
-        tasks = []
-        for item, offset in zip(work, arrival_offsets(len(work), request_rate, seed)):
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(run(item)))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
-
-
-def server_metrics(url: str) -> dict[str, float]:
-    """The server's own counters, when it exposes ioattn's /metrics (other servers: empty)."""
-    import httpx
-
-    try:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(url + "/metrics", timeout=10).text
-        wanted = ("ioattn_num_preemptions_total", "ioattn_prefix_cache_hits_total", "ioattn_prefix_cache_queries_total",
-                  "ioattn_generation_tokens_total")
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
-    except Exception:
-        return {}
-
-
-def served_model(url: str) -> str:
-    import httpx
-
-    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-
-
-def run_server(url: str, model: str | None, work: list[WorkItem], args) -> dict:
-    model = model or served_model(url)
-    before = server_metrics(url)
-    results, duration = asyncio.run(_drive(url, model, work, args.request_rate, args.concurrency,
-                                           args.temperature, args.seed))
-    after = server_metrics(url)
-    summary = summarize(results, duration)
-    counters = {name.removeprefix("ioattn_"): after[name] - before.get(name, 0.0) for name in after}
-    return {**summary, "server_counters": counters} if counters else summary
-
-
-# -- launching our server, and the offline run ---------------------------------------------------------------
-
-
-def _engine_flags(args) -> list[str]:
-    flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-             "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-    for name in ("max_model_len", "num_blocks", "device"):
-        if getattr(args, name) is not None:
-            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    if args.tp != [1]:
-        flags += ["--tp", str(args.tp[0])]
-    if getattr(args, "no_async_scheduling", False):
-        flags.append("--no-async-scheduling")
-    return flags
-
-
-def launch_server(args) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "ioattn.server.cli", "serve", "--model", args.model, "--port", str(port),
-               "--log-level", "warning", "--max-queued-requests", str(max(1024, 2 * args.num_requests)),
-               *_engine_flags(args)]
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.launch_timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError(f"the server was not ready after {args.launch_timeout} s")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
+from ioattn.bench.datasets import add_dataset_args, build_workload, check_dataset_args
+from ioattn.bench.serve_online import launch_server, run_server, run_sweep, stop_server
+from ioattn.bench.workload import SLO_METRICS
+from ioattn.cli_args import positive_int
 
 # -- command line --------------------------------------------------------------------------------------------
 
 
 def run(args) -> dict:
-    work = make_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), args.seed)
-    result: dict = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "out")}}
+    work, notes = build_workload(args)
+    result: dict = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "out", "api_key")}}
+    if notes:
+        result["notes"] = notes
     if args.url or args.launch:
         process, url = launch_server(args) if args.launch else (None, args.url.rstrip("/"))
+        model = None if args.launch else args.served_model_name
         try:
-            result["server"] = run_server(url, None if args.launch else args.served_model_name, work, args)
+            if len(args.request_rates) > 1:
+                result["sweep"] = run_sweep(url, model, args)
+            else:
+                result["server"] = run_server(url, model, work, args, args.request_rate)
         finally:
             if process is not None:
                 stop_server(process)
@@ -217,10 +95,24 @@ def run(args) -> dict:
     return result
 
 
-SUMMARY_KEYS = ("completed", "failed", "duration_s", "requests_per_s", "output_tokens_per_s", "ttft_ms_p50",
-                "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "latency_ms_p50", "latency_ms_p99")
+# vLLM's benchmark_serving report: (label, summary key).
+REPORT_ROWS = (
+    ("Successful requests", "completed"), ("Failed requests", "failed"), ("Benchmark duration (s)", "duration_s"),
+    ("Total input tokens", "total_input_tokens"), ("Total generated tokens", "output_tokens"),
+    ("Request throughput (req/s)", "request_throughput"), ("Request goodput (req/s)", "request_goodput"),
+    ("Output token throughput (tok/s)", "output_throughput"),
+    ("Total token throughput (tok/s)", "total_token_throughput"),
+    *((f"{label} {metric.upper()} (ms)", f"{stat}_{metric}_ms") for metric in ("ttft", "tpot", "itl", "e2el")
+      for label, stat in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))),
+)
 ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "steps",
                "overlapped_steps", "shipped_blocks", "first_token_agreement")
+SWEEP_COLUMNS = (("request rate (req/s)", "request_rate"), ("completed", "completed"),
+                 ("req/s", "request_throughput"), ("output tok/s", "output_throughput"),
+                 ("goodput (req/s)", "request_goodput"), ("median TTFT (ms)", "median_ttft_ms"),
+                 ("P99 TTFT (ms)", "p99_ttft_ms"), ("median TPOT (ms)", "median_tpot_ms"),
+                 ("P99 TPOT (ms)", "p99_tpot_ms"), ("median ITL (ms)", "median_itl_ms"), ("P99 ITL (ms)", "p99_itl_ms"),
+                 ("median E2EL (ms)", "median_e2el_ms"))
 
 
 def to_markdown(result: dict) -> str:
@@ -228,11 +120,21 @@ def to_markdown(result: dict) -> str:
 
     runs = {"server": result["server"]} if "server" in result else {}
     runs.update(result.get("systems", {}))
-    keys = [key for key in (*SUMMARY_KEYS, *ENGINE_KEYS) if any(key in run for run in runs.values())]
+    rows = [(label, key) for label, key in (*REPORT_ROWS, *((key, key) for key in ENGINE_KEYS))
+            if any(key in run for run in runs.values())]
     # A system that could not run shows why in its first cell.
-    body = [[key, *(run.get(key, run.get("status") if key == keys[0] else None) for run in runs.values())]
-            for key in keys]
-    text = markdown_table(["metric", *runs], body)
+    body = [[label, *(run.get(key, run.get("status") if i == 0 else None) for run in runs.values())]
+            for i, (label, key) in enumerate(rows)]
+    text = markdown_table(["metric", *runs], body) if runs else ""
+    if "sweep" in result:
+        sweep = [[run.get(key) for _, key in SWEEP_COLUMNS] for run in result["sweep"]]
+        text += markdown_table([label for label, _ in SWEEP_COLUMNS], sweep)
+        slo = result["sweep"][0].get("goodput_slo_ms")
+        if slo:
+            text += "\n\ngoodput: requests per second within " + ", ".join(f"{k} <= {v:g} ms" for k, v in slo.items())
+        for run in result["sweep"]:
+            if "errors" in run:
+                text += f"\n\nrate {run['request_rate']:g} errors: {run['errors']}"
     for peer, bar in (("hf", ">= 5, project goal >= 10"), ("static", ">= 3")):
         if f"ioattn_over_{peer}" in result:
             text += f"\n\nioattn / {peer} output throughput: {result[f'ioattn_over_{peer}']:.2f}x (bar: {bar})"
@@ -301,14 +203,23 @@ def main(argv: list[str] | None = None) -> int:
                         "--offline and --compare")
     parser.add_argument("--served-model-name", default=None, help="`model` in requests to --url (default: the "
                         "server's first model)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
+    parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=positive_int, default=256)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"),
+                        help="random dataset: prompt lengths uniform in [MIN, MAX] (or --random-input-len)")
     parser.add_argument("--output-len", type=int, nargs="+", default=[256], metavar="LEN",
-                        help="one length, or MIN MAX for uniform lengths")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
-    parser.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+                        help="random dataset: one length, or MIN MAX for uniform lengths (or --random-output-len)")
+    parser.add_argument("--request-rate", type=_rates, default=[math.inf], metavar="RATE[,RATE...]",
+                        help="Poisson arrivals per second, `inf`: all at once (default); several rates (e.g. "
+                        "2,4,inf): a sweep against the server, one run each, with a latency-throughput plot")
+    parser.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=positive_int, default=None,
+                        help="at most this many requests in flight")
+    parser.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="METRIC:MS",
+                        help="SLOs for goodput, e.g. ttft:2000 tpot:50 (metrics: ttft, tpot, e2el; milliseconds)")
+    parser.add_argument("--api-key", default=os.environ.get("IOATTN_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                        help="Bearer token for --url (default: $IOATTN_API_KEY, then $OPENAI_API_KEY)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    add_dataset_args(parser)
     engine = parser.add_argument_group("engine settings (--launch, --offline, --compare)")
     engine.add_argument("--dtype", default="auto")
     engine.add_argument("--device", default=None)
@@ -320,8 +231,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="finish each engine step on the host before scheduling the next (default: overlap)")
     engine.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server")
     parser.add_argument("--json", help="write the results as JSON here")
-    parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure")
+    parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure "
+                        "(a sweep: <date>-serve-sweep-<model>-<device>.{json,md,png})")
     args = parser.parse_args(argv)
+    given = {word.split("=")[0] for word in (sys.argv[1:] if argv is None else argv) if word.startswith("--")}
+    args.request_rates, args.request_rate = args.request_rate, args.request_rate[0]
+    args.goodput = dict(args.goodput)
+    check_dataset_args(parser, args, given)
+    if len(args.request_rates) > 1 and not (args.url or args.launch):
+        parser.error("a --request-rate sweep runs against a server: give --url or --launch")
+    if len(args.request_rates) > 1 and (args.offline or args.compare or args.disagg or len(args.tp) > 1):
+        parser.error("a --request-rate sweep is a run of its own: leave out --offline, --compare, --disagg and "
+                     "several --tp sizes")
     if not (args.url or args.launch or args.offline or args.compare or args.disagg or len(args.tp) > 1):
         parser.error("give --url, --launch, --offline, --compare, --disagg or --tp with several sizes")
     if len(args.tp) > 1 and (args.url or args.launch or args.offline or args.compare or args.disagg):
@@ -355,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "percentiles nearest-rank")
         disclosure["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
         disclosure["tensor_parallel_size"] = args.tp if len(args.tp) > 1 else args.tp[0]
+        disclosure["dataset"] = args.dataset_name + (f" ({args.dataset_path})" if args.dataset_path else "")
         if "hf" in args.compare:
             import transformers
 
@@ -366,10 +288,67 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             # The TP and disaggregation comparisons get files of their own beside a same-day --compare run's.
             name = "serve" + ("-tp" if len(args.tp) > 1 else "") + ("-disagg" if args.disagg else "")
+            if "sweep" in result:
+                name = f"serve-sweep-{os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]}"
             paths = dated_paths(args.out, name, device_tag(disclosure))
             write_text(paths["json"], payload)
-            write_text(paths["md"], f"# ioattn bench serve\n\n{disclosure_markdown(result)}\n\n{text}\n")
+            figure = ""
+            if "sweep" in result:
+                plot_sweep(result["sweep"], paths["png"], f"ioattn serve, {args.model}, {disclosure.get('gpu')}"
+                           if disclosure.get("gpu", "none") != "none" else f"ioattn serve, {args.model}, CPU")
+                figure = f"\n\n![latency against throughput]({paths['png'].name})\n"
+            write_text(paths["md"], f"# ioattn bench serve\n\n{disclosure_markdown(result)}\n\n{text}\n{figure}")
     return 0
+
+
+def plot_sweep(runs: list[dict], path, title: str) -> None:
+    """TTFT and TPOT (median and P99) against output throughput, one point per request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    throughput = [run["output_throughput"] for run in runs]
+    for ax, metric in zip(axes, ("ttft", "tpot")):
+        for stat, style in (("median", "o-"), ("p99", "s--")):
+            values = [run[f"{stat}_{metric}_ms"] for run in runs]
+            ax.plot(throughput, values, style, label=f"{'P99' if stat == 'p99' else 'median'} {metric.upper()}")
+        for run, x in zip(runs, throughput):
+            ax.annotate(f"{run['request_rate']:g}/s", (x, run[f"median_{metric}_ms"]), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)
+        ax.set_xlabel("output throughput (tok/s)")
+        ax.set_ylabel(f"{metric.upper()} (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title + ": latency against throughput (points: request rates)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(rate) for rate in text.split(",")]
+    except ValueError:
+        rates = []
+    if not rates or any(not rate > 0 for rate in rates) or len(set(rates)) != len(rates):
+        raise argparse.ArgumentTypeError(f"--request-rate takes a rate > 0 (or inf), or distinct comma-separated "
+                                         f"rates, got {text!r}")
+    return rates
+
+
+def _slo(text: str) -> tuple[str, float]:
+    name, _, bound = text.partition(":")
+    try:
+        value = float(bound)
+    except ValueError:
+        value = math.nan
+    if name not in SLO_METRICS or not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"--goodput takes METRIC:MS with METRIC one of {', '.join(SLO_METRICS)} and "
+                                         f"MS > 0 milliseconds, got {text!r}")
+    return name, value
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def _llm(args, scheduling: str, tensor_parallel_size: int, enforce_eager: bool =
     return LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                device=args.device, scheduling=scheduling, tensor_parallel_size=tensor_parallel_size,
-               enforce_eager=enforce_eager, async_scheduling=_async_scheduling(args))
+               enforce_eager=enforce_eager, async_scheduling=_async_scheduling(args),
+               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
 
 
 def _async_scheduling(args) -> bool | None:
@@ -184,6 +185,7 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
         "kv_utilization_mean": statistics.fmean(utilization) if utilization else None,
         "kv_pool_usage_peak": max(pool_usage, default=0.0),
         "kv_pool_tokens": pool_slots,
+        "kv_cache_dtype": engine.attention.describe()["cache_dtype"],
         "steps": len(pool_usage),
         "overlapped_steps": engine.num_overlapped_steps - overlapped_before,
         "first_tokens": [_first(outputs[f"bench-{i}"].outputs[0].token_ids) if outputs[f"bench-{i}"].outputs
@@ -269,7 +271,8 @@ def time_decode_step(llm, work: list[WorkItem], batch: int) -> dict:
     if not model.config.tie_word_embeddings:  # a decode step reads only its B rows of the embedding table
         rows = model.model.embed_tokens.weight.shape[0]  # this rank's share under tensor parallelism
         weight_bytes -= (rows - min(batch, rows)) * model.config.hidden_size * dtype.itemsize
-    kv_bytes = round(batch * measured_context * PagedAttention.block_bytes(model.config, 1, dtype))
+    kv_bytes = round(batch * measured_context * PagedAttention.block_bytes(model.config, 1,
+                                                                           engine.attention.cache_dtype))
     return {"batch": batch, "context_mean": measured_context, "step_ms": period_ms,
             "step_ms_median": statistics.median(times), "steps_timed": len(times),
             "overlapped_steps": engine.num_overlapped_steps - overlapped_before, "weight_bytes": weight_bytes,
@@ -466,7 +469,8 @@ def run_disaggregated(work: list[WorkItem], args) -> dict:
 
     config = EngineConfig(dtype=args.dtype, max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                           gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                          device=args.device, async_scheduling=_async_scheduling(args))
+                          device=args.device, async_scheduling=_async_scheduling(args),
+                          kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     warmup, pacing = warmup_workload(work, args.seed), Pacing.from_args(work, args)
     systems = {}
     engine = LLMEngine(args.model, config)

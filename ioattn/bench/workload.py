@@ -1,12 +1,21 @@
-"""The synthetic serving workload every `ioattn bench serve` system runs (server and offline alike): requests,
-their arrival times, each request's result and the summary of a run (throughput, TTFT, TPOT, latency)."""
+"""The serving workload every `ioattn bench serve` system runs (server and offline alike): requests, their arrival
+times, each request's result and the summary of a run.
+
+The summary has vLLM's `benchmark_serving` names (`request_throughput`, `output_throughput`,
+`total_token_throughput`, `request_goodput`, and `mean_/median_/std_/p99_` of `ttft_ms`, `tpot_ms`, `itl_ms`,
+`e2el_ms`), with their meanings: TTFT from sending to the first chunk, TPOT (latency - TTFT) / (tokens - 1) per
+request, ITL every gap between consecutive chunks of a request (pooled over requests), E2EL the whole latency;
+goodput counts the completed requests within every given SLO (a request with one token has no TPOT and meets a
+TPOT SLO). It also keeps the names this project's earlier results and the offline systems use
+(`output_tokens_per_s`, `ttft_ms_p50`, `latency_ms_p99`, ...). Percentiles are nearest-rank.
+"""
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
-from statistics import mean
+from dataclasses import dataclass, field
+from statistics import mean, pstdev
 
 # Ids every vocabulary has (the byte range of the byte-level tokenizer of the presets, and of any real one).
 PROMPT_ID_RANGE = 256
@@ -16,6 +25,7 @@ PROMPT_ID_RANGE = 256
 class WorkItem:
     prompt_token_ids: list[int]
     output_len: int
+    prompt: str | None = None  # the text the ids encode (sent as text to a server, so that it tokenizes)
 
 
 @dataclass
@@ -25,6 +35,7 @@ class Result:
     latency: float = 0.0
     output_tokens: int = 0
     error: str = ""
+    itl: list[float] = field(default_factory=list)  # seconds between consecutive chunks (streamed runs)
 
     @property
     def tpot(self) -> float | None:
@@ -48,19 +59,44 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
 
 
-def summarize(results: list[Result], duration: float) -> dict:
+# Service-level objectives `--goodput` takes: metric -> the Result field it bounds (seconds).
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+def meets(result: Result, slo_ms: dict[str, float]) -> bool:
+    """Whether a completed request is within every SLO (milliseconds, by SLO_METRICS name)."""
+    values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.latency}
+    return all(values[name] is None or values[name] * 1e3 <= bound for name, bound in slo_ms.items())
+
+
+def summarize(results: list[Result], duration: float, slo_ms: dict[str, float] | None = None,
+              input_tokens: int | None = None) -> dict:
     done = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in done)
     summary = {
         "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
         "requests_per_s": len(done) / duration, "output_tokens": tokens, "output_tokens_per_s": tokens / duration,
+        "request_throughput": len(done) / duration, "output_throughput": tokens / duration,
     }
-    for name, values in (("ttft_ms", [r.ttft * 1e3 for r in done]),
-                         ("tpot_ms", [r.tpot * 1e3 for r in done if r.tpot is not None]),
-                         ("latency_ms", [r.latency * 1e3 for r in done])):
-        summary[f"{name}_mean"] = mean(values) if values else None
-        summary[f"{name}_p50"] = percentile(values, 50)
-        summary[f"{name}_p99"] = percentile(values, 99)
+    if input_tokens is not None:
+        summary["total_input_tokens"] = input_tokens
+        summary["total_token_throughput"] = (input_tokens + tokens) / duration
+    if slo_ms:
+        summary["goodput_slo_ms"] = dict(slo_ms)
+        summary["request_goodput"] = sum(meets(r, slo_ms) for r in done) / duration
+    series = {"ttft": [r.ttft * 1e3 for r in done], "tpot": [r.tpot * 1e3 for r in done if r.tpot is not None],
+              "itl": [gap * 1e3 for r in done for gap in r.itl], "e2el": [r.latency * 1e3 for r in done]}
+    for name, values in series.items():
+        if name == "itl" and not values:
+            continue  # offline systems and non-streamed runs see no chunks
+        summary[f"mean_{name}_ms"] = mean(values) if values else None
+        summary[f"median_{name}_ms"] = percentile(values, 50)
+        summary[f"std_{name}_ms"] = pstdev(values) if values else None
+        summary[f"p99_{name}_ms"] = percentile(values, 99)
+    for name, vllm_name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("latency_ms", "e2el")):
+        summary[f"{name}_mean"] = summary[f"mean_{vllm_name}_ms"]
+        summary[f"{name}_p50"] = summary[f"median_{vllm_name}_ms"]
+        summary[f"{name}_p99"] = summary[f"p99_{vllm_name}_ms"]
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         summary["errors"] = errors[:5]

@@ -15,8 +15,11 @@ colocated engine's token for token.
 Control messages go over a multiprocessing pipe (pollable, and it closes when a process dies): decode -> prefill
 `(PREFILL, ticket, token ids)` or `(STOP,)`; prefill -> decode `(SHIPPED, ticket, n_blocks)` or `(STOPPED,)`. The
 blocks themselves go through torch.distributed send/recv right after their SHIPPED message: digests (n_blocks, 32)
-uint8, then KV (layers, 2, n_blocks, block_size, kv_heads, head_dim). A dead peer makes the decode side raise
-`WorkerDiedError` (it polls the process while waiting, within the engine's timeout).
+uint8, then KV (layers, 2, n_blocks, block_size, kv_heads, head_dim) in the cache's dtype (an fp8 cache's blocks
+travel as their bytes, quantized once, by the prefill worker). Both sides resolve the same settings, so an fp8
+cache has the same scales on both (calibrated alike, or given); the prefix key holds the cache's dtype and scales,
+so blocks of another format never match the decode side's hashes (`RuntimeError`, not garbage). A dead peer makes
+the decode side raise `WorkerDiedError` (it polls the process while waiting, within the engine's timeout).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
 from ioattn.engine.outputs import RequestMetrics, RequestOutput
 from ioattn.kv.prefix_hash import DIGEST_SIZE
+from ioattn.ops.fp8 import bytes_view
 
 PREFILL, SHIPPED, STOP, STOPPED = "prefill", "shipped", "stop", "stopped"
 DECODE_RANK, PREFILL_RANK = 0, 1
@@ -80,14 +84,14 @@ def _serve_prefills(engine: LLMEngine, conn) -> None:
 def _ship(engine: LLMEngine, conn, ticket: int, token_ids: list[int]) -> None:
     """Send the prompt's computed full blocks, still in the prefix cache right after the request finished (up to
     the first one evicted already, in a tiny pool: decode recomputes from there)."""
-    exported = engine.kv.export_prefix(token_ids)
+    exported = engine.kv.export_prefix(token_ids, engine.prefix_key)
     conn.send((SHIPPED, ticket, len(exported)))
     if not exported:
         return
     blocks, digests = zip(*exported)
     kv = engine.attention.read_blocks(list(blocks))
     dist.send(torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).to(kv.device), dst=DECODE_RANK)
-    dist.send(kv.contiguous(), dst=DECODE_RANK)
+    dist.send(bytes_view(kv.contiguous()), dst=DECODE_RANK)
 
 
 class DisaggregatedEngine(LLMEngine):
@@ -189,8 +193,8 @@ class DisaggregatedEngine(LLMEngine):
             digests = torch.empty(num_blocks, DIGEST_SIZE, dtype=torch.uint8, device=device)
             dist.recv(digests, src=PREFILL_RANK)
             shape = (self.runner.config.num_layers, 2, num_blocks, *self.attention.k_caches[0].shape[1:])
-            kv = torch.empty(shape, dtype=self.runner.dtype, device=device)
-            dist.recv(kv, src=PREFILL_RANK)
+            kv = torch.empty(shape, dtype=self.attention.cache_dtype, device=device)
+            dist.recv(bytes_view(kv), src=PREFILL_RANK)
             self._import_blocks(args["prompt_token_ids"], [bytes(row) for row in digests.tolist()], kv)
         if args.pop("aborted", False):
             return
@@ -206,10 +210,11 @@ class DisaggregatedEngine(LLMEngine):
         """Copy shipped blocks into this pool's prefix cache (cached, unheld, so evictable); those it has already
         (a shared prefix) are not copied again."""
         try:
-            writes = self.kv.import_prefix(token_ids, digests)
+            writes = self.kv.import_prefix(token_ids, digests, self.prefix_key)
         except ValueError as error:
             raise RuntimeError("prefill worker shipped blocks whose prefix hashes do not match the prompt's tokens; "
-                               "the two sides disagree on the block layout") from error
+                               "the two sides disagree on the block layout or on the KV cache's dtype and scales "
+                               f"(this side: {self.prefix_key})") from error
         if not writes:
             return  # None: no room now, decode recomputes the prompt; []: every block is cached here already
         shipped = torch.tensor([i for i, _ in writes], dtype=torch.int64, device=kv.device)

@@ -9,6 +9,11 @@ slots, then attention over each sequence's blocks. Rows of one token (the schedu
 attend through the decode path; the packed chunks after them as multi-token queries, each call seeing only its own
 rows' widest table (the split heuristic and the gathered path size themselves from the table width).
 
+FP8 caches (`kv_cache_dtype`): the caches hold fp8, each layer's K and V scales (float32, one per KV head, see
+`ioattn.engine.kv_scales`) live here on the device and go to every cache write and attention call; blocks move
+as bytes (copies, swaps, export/import); `prefix_key()` is the identity of the cache's dtype and scales, which the
+engine puts into every prefix-cache key, so blocks written in another dtype or with other scales are never hit.
+
 Backends: "triton" (the paged kernels; CUDA, or Triton's interpreter on the CPU for tests) and "torch" (the exact
 CPU path of `ioattn.ops.torch_paged`). The tables come from the KV manager's plans and are valid by construction;
 when index contents are checked (CPU tensors, or IOATTN_VALIDATE=1, see `ioattn.ops.checks`) each step's tables,
@@ -22,8 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ioattn.engine.transfer import to_device
+from ioattn.engine.kv_scales import KVScales
 from ioattn.ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ioattn.ops.checks import checks_contents
+from ioattn.ops.fp8 import bytes_view, is_fp8, kv_cache_dtype_name
 from ioattn.ops.paged import compile_variants, paged_attention, paged_workspace
 from ioattn.ops.paged_checks import check_slot_contents, check_table_contents
 
@@ -53,11 +60,14 @@ class StepAttention:
 class PagedAttention:
     def __init__(self, config, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
                  num_cpu_blocks: int = 0, max_num_seqs: int = 256, backend: str = "auto",
-                 kv_window: int | None = None, kv_sinks: int = 0):
-        """config: the model's `ModelConfig` (layers, KV heads, head dim, per-layer windows). backend: "triton",
-        "torch" or "auto" (triton on CUDA, torch elsewhere). kv_window / kv_sinks: StreamingLLM attention, every
-        layer seeing the first kv_sinks tokens and the last kv_window (itself included), so that the KV manager's
-        `evict_window(seq, kv_sinks, kv_window)` may release the blocks in between (None: the model's own windows)."""
+                 kv_window: int | None = None, kv_sinks: int = 0, kv_cache_dtype: torch.dtype | None = None,
+                 kv_scales: KVScales | None = None):
+        """config: the model's `ModelConfig` (layers, KV heads, head dim, per-layer windows). dtype: the model's.
+        backend: "triton", "torch" or "auto" (triton on CUDA, torch elsewhere). kv_window / kv_sinks: StreamingLLM
+        attention, every layer seeing the first kv_sinks tokens and the last kv_window (itself included), so that
+        the KV manager's `evict_window(seq, kv_sinks, kv_window)` may release the blocks in between (None: the
+        model's own windows). kv_cache_dtype: None (the model's dtype) or an fp8 format, which needs `kv_scales`
+        ((num_layers, num_kv_heads) for K and V)."""
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
         if kv_window is not None and not (isinstance(kv_window, int) and kv_window >= 1):
@@ -72,15 +82,28 @@ class PagedAttention:
         self.window_sizes = tuple(config.window_size(i) if kv_window is None else (kv_window - 1, 0)
                                   for i in range(config.num_layers))
         self.sink_tokens = kv_sinks
+        self.dtype = dtype
+        self.cache_dtype = kv_cache_dtype or dtype
+        self.kv_scales = kv_scales
+        self.k_scales = self.v_scales = [None] * config.num_layers
+        if is_fp8(self.cache_dtype):
+            expected = (config.num_layers, config.num_kv_heads)
+            if kv_scales is None or kv_scales.k.shape != expected or kv_scales.v.shape != expected:
+                raise ValueError(f"kv_scales must hold (num_layers, num_kv_heads) = {expected} K and V scales for an "
+                                 f"fp8 cache, got {None if kv_scales is None else tuple(kv_scales.k.shape)}")
+            self.k_scales = list(kv_scales.k.to(self.device, torch.float32).contiguous().unbind(0))
+            self.v_scales = list(kv_scales.v.to(self.device, torch.float32).contiguous().unbind(0))
+        elif kv_scales is not None:
+            raise ValueError(f"kv_scales apply to fp8 caches only, not {self.cache_dtype}")
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
         # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
-        self.k_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(config.num_layers)]
+        self.k_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
         # The swap pool is only ever read where a swap-out wrote; pinned on CUDA so that copies are asynchronous.
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
-        self.cpu_k_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in self.k_caches]
-        self.cpu_v_caches = [torch.empty(cpu_shape, dtype=dtype, pin_memory=pin) for _ in self.v_caches]
+        self.cpu_k_caches = [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in self.k_caches]
+        self.cpu_v_caches = [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in self.v_caches]
         self.workspace = None
         if self.backend == "triton":  # split scratch for the largest decode batch (one row per sequence)
             self.workspace = paged_workspace(max(max_num_seqs, 1), config.num_heads, config.head_dim,
@@ -89,19 +112,27 @@ class PagedAttention:
 
     @staticmethod
     def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V, in the cache's dtype (fp8: one byte per element)."""
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     def describe(self) -> dict:
-        """What `engine.stats()` reports about attention: backend, cache geometry and how inputs are checked."""
-        cache = self.k_caches[0] if self.k_caches else None
+        """What `engine.stats()` reports about attention: backend, cache geometry and dtype (and, for fp8, where
+        its scales came from), how inputs are checked."""
         checks = ("every step's tables, lengths and slots checked on the host (CPU, or IOATTN_VALIDATE=1)"
                   if self.checks_tables else
                   "tables built from the KV manager's plans, trusted (IOATTN_VALIDATE=1 checks every step)")
         return {"backend": self.backend, "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "windows": sorted(set(self.window_sizes)), "sink_tokens": self.sink_tokens,
-                "cache_dtype": None if cache is None else str(cache.dtype).removeprefix("torch."),
+                "cache_dtype": kv_cache_dtype_name(self.cache_dtype),
+                "kv_scales": None if self.kv_scales is None else self.kv_scales.describe(),
                 "kernel_inputs": checks}
+
+    def prefix_key(self):
+        """What the prefix-cache key holds of this cache's format: None for a cache in the model's dtype (keys as
+        before), else the fp8 format and the scales' identity."""
+        if self.kv_scales is None:
+            return None
+        return ("kv_cache", kv_cache_dtype_name(self.cache_dtype), self.kv_scales.identity())
 
     # -- plans: copies, swaps and block transfers ---------------------------------------------------------------
 
@@ -123,17 +154,22 @@ class PagedAttention:
                 swap_blocks(src, dst, mapping)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """(layers, 2, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V (prefix export)."""
+        """(layers, 2, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V in the cache's dtype (prefix
+        export)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
                             for k, v in zip(self.k_caches, self.v_caches)])
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
-        """The reverse of `read_blocks`: kv[:, :, i] lands in block blocks[i] of every layer (prefix import)."""
+        """The reverse of `read_blocks`: kv[:, :, i] lands in block blocks[i] of every layer (prefix import). An fp8
+        cache takes only blocks of its own format (quantized with its scales: the prefix key checked that)."""
+        if is_fp8(self.cache_dtype) and kv.dtype != self.cache_dtype:
+            raise ValueError(f"kv: blocks for a {kv_cache_dtype_name(self.cache_dtype)} cache must be in that format, "
+                             f"got {kv.dtype}")
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
-            k_cache.index_copy_(0, index, kv[layer, 0].to(k_cache.dtype))
-            v_cache.index_copy_(0, index, kv[layer, 1].to(v_cache.dtype))
+            bytes_view(k_cache).index_copy_(0, index, bytes_view(kv[layer, 0].to(k_cache.dtype)))
+            bytes_view(v_cache).index_copy_(0, index, bytes_view(kv[layer, 1].to(v_cache.dtype)))
 
     # -- one step ---------------------------------------------------------------------------------------------
 
@@ -153,9 +189,10 @@ class PagedAttention:
     def attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         window = self.window_sizes[layer_idx]
+        scales = dict(k_scale=self.k_scales[layer_idx], v_scale=self.v_scales[layer_idx])
         common = dict(causal=True, window_size=window, sink_tokens=self.sink_tokens, backend=self.backend,
-                      validate=False)
-        reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False)
+                      validate=False, **scales)
+        reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False, **scales)
         if ctx.cu_seqlens_q is None:
             return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,
                                    **common)
@@ -177,6 +214,7 @@ class PagedAttention:
             return
         for window in sorted(set(self.window_sizes)):
             compile_variants(num_heads, self.k_caches[0], self.v_caches[0], window_size=window,
-                             max_tokens=max_tokens, workspace=self.workspace)
+                             max_tokens=max_tokens, workspace=self.workspace, dtype=self.dtype,
+                             k_scale=self.k_scales[0], v_scale=self.v_scales[0])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

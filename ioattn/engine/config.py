@@ -1,7 +1,11 @@
 """Engine settings: what the user asks for (`EngineConfig`, the `LLM(...)` keyword arguments) and, resolved once
 against the loaded model and its device, every value derived from it (`EngineSettings`: context length, token
-budget, KV pool and CPU swap pool sizes). The single-process engine, the tensor-parallel ranks and the
-disaggregated workers all take what `resolve_settings` returns, so no two places derive a default differently.
+budget, KV pool and CPU swap pool sizes, the KV cache's dtype and, for fp8, its scales). The single-process engine,
+the tensor-parallel ranks and the disaggregated workers all take what `resolve_settings` returns, so no two places
+derive a default differently.
+
+The pool is sized in bytes: `kv_cache_dtype="fp8_e4m3"` / `"fp8_e5m2"` store one byte per element, so the same
+memory holds twice the tokens of a 16-bit cache (four times those of a float32 one).
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from dataclasses import dataclass
 import torch
 
 from ioattn.engine.attention import PagedAttention
+from ioattn.engine.kv_scales import KVScales, check_kv_cache_scales_setting, resolve_kv_scales
 from ioattn.engine.runner import ModelRunner
 from ioattn.engine.sampling import as_real, is_int
 from ioattn.engine.scheduler import MODES, POLICIES, PREEMPTION_MODES, SchedulerConfig
 from ioattn.intmath import cdiv
 from ioattn.kv.manager import watermark_blocks
 from ioattn.models.loader import LoadedModel
+from ioattn.ops.fp8 import KV_CACHE_DTYPES, check_fp8_supported, parse_kv_cache_dtype
 
 # KV pool on a CPU device when num_blocks is not given (there is no device memory to profile).
 CPU_KV_CACHE_BYTES = 256 << 20
@@ -51,6 +57,11 @@ class EngineConfig:
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # "triton" paged kernels (CUDA default), "torch" exact path (CPU default)
     device: str | torch.device | None = None
+    # "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2": one byte per cached element (`ioattn.ops.fp8`).
+    kv_cache_dtype: str = "auto"
+    # fp8 only: None (the checkpoint's scales, else calibrated at start-up), "checkpoint", "calibrate", a number
+    # (every layer and head; 1.0 warns) or a JSON file (see `ioattn.engine.kv_scales`).
+    kv_cache_scales: str | float | None = None
 
     def __post_init__(self):
         def require(ok: bool, name: str, allowed: str) -> None:
@@ -76,6 +87,11 @@ class EngineConfig:
         require(0 <= as_real(self.watermark) < 1, "watermark", "in [0, 1)")
         require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
                 "None, True or False")
+        require(isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                f"one of {tuple(KV_CACHE_DTYPES)}")
+        check_kv_cache_scales_setting(self.kv_cache_scales)
+        require(self.kv_cache_scales is None or self.kv_cache_dtype != "auto", "kv_cache_scales",
+                'None unless kv_cache_dtype is an fp8 format (scales quantize an fp8 cache)')
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,12 @@ class EngineSettings:
     watermark_blocks: int  # kept free by admission (`KVCacheManager`'s rule)
     dtype: torch.dtype
     device: torch.device
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
+    kv_scales: KVScales | None = None  # fp8 caches only
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_cache_dtype or self.dtype
 
     @property
     def admissible_blocks(self) -> int:
@@ -115,8 +137,11 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel,
       activation pass (`ModelRunner.profile_num_blocks`), on the CPU CPU_KV_CACHE_BYTES of blocks — never fewer than
       one max_model_len sequence needs above the admission watermark; `agree_num_blocks` (tensor parallelism:
       the least over the ranks) has the last word;
-    - num_cpu_blocks: swap_space GiB of blocks with preemption_mode="swap", else none.
-    ValueError when the pool cannot hold one max_model_len sequence above the watermark, or swap has no block.
+    - num_cpu_blocks: swap_space GiB of blocks with preemption_mode="swap", else none;
+    - kv_cache_dtype and, for fp8, kv_scales (`ioattn.engine.kv_scales.resolve_kv_scales`: the checkpoint's, a
+      user's, or a calibration pass over the model now). Block sizes in bytes follow the cache dtype.
+    ValueError when the pool cannot hold one max_model_len sequence above the watermark, swap has no block, the
+    device cannot convert fp8, or the scales do not fit the model.
     """
     max_model_len = config.max_model_len or loaded.max_model_len
     if max_model_len > loaded.max_model_len:
@@ -126,13 +151,23 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel,
     batched = config.max_num_batched_tokens or max(least, config.max_num_seqs)
     model = loaded.model
     device, dtype = model.inv_freq.device, model.model.embed_tokens.weight.dtype
-    block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, dtype)
+    kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
+    kv_scales = None
+    if kv_dtype is not None:
+        check_fp8_supported(device, "kv_cache_dtype")
+        if agree_num_blocks is not None:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported with tensor parallelism yet "
+                             "(each rank would need its heads' share of the scales)")
+        kv_scales = resolve_kv_scales(loaded, kv_dtype, config.kv_cache_scales)
+    block_bytes = PagedAttention.block_bytes(loaded.config, config.block_size, kv_dtype or dtype)
     num_blocks = config.num_blocks
     if num_blocks is None:
         if device.type == "cuda":
             num_blocks = ModelRunner.profile_num_blocks(
                 model, block_size=config.block_size, gpu_memory_utilization=config.gpu_memory_utilization,
                 max_num_batched_tokens=batched, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+            # The profile counts blocks of the model's dtype; the same bytes hold more blocks of a narrower cache.
+            num_blocks = num_blocks * PagedAttention.block_bytes(loaded.config, config.block_size, dtype) // block_bytes
         else:
             num_blocks = max(CPU_KV_CACHE_BYTES // block_bytes,
                              least_blocks(max_model_len, config.block_size, config.watermark))
@@ -148,7 +183,7 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel,
         raise ValueError(f"swap_space ({config.swap_space!r} GiB) holds no KV block of {block_bytes} bytes: "
                          'preemption_mode="swap" needs at least one (raise swap_space, or use "recompute")')
     return EngineSettings(max_model_len, batched, config.block_size, block_bytes, num_blocks, num_cpu_blocks,
-                          reserved, dtype, device)
+                          reserved, dtype, device, kv_dtype, kv_scales)
 
 
 def least_blocks(max_model_len: int, block_size: int, watermark: float) -> int:
@@ -163,7 +198,8 @@ def build_attention(model_config, settings: EngineSettings, config: EngineConfig
     """The attention seam (caches, swap pool) these settings describe."""
     return PagedAttention(model_config, num_blocks=settings.num_blocks, block_size=settings.block_size,
                           dtype=settings.dtype, device=settings.device, num_cpu_blocks=settings.num_cpu_blocks,
-                          max_num_seqs=config.max_num_seqs, backend=config.attention_backend)
+                          max_num_seqs=config.max_num_seqs, backend=config.attention_backend,
+                          kv_cache_dtype=settings.kv_cache_dtype, kv_scales=settings.kv_scales)
 
 
 def build_runner(model, attention: PagedAttention, settings: EngineSettings, config: EngineConfig,

@@ -86,8 +86,10 @@ class LLMEngine:
         self.kv = KVCacheManager(settings.num_blocks, settings.block_size, num_cpu_blocks=settings.num_cpu_blocks,
                                  enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark)
         self._admissible_blocks = settings.admissible_blocks
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.attention = build_attention(loaded.config, settings, config)
+        # Blocks are cached under the cache's format too: another dtype's or other scales' blocks never match.
+        self.prefix_key = self.attention.prefix_key()
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.prefix_key)
         self.runner = self._build_runner()
         self.sampler = Sampler(self.eos_token_ids)
         self.async_scheduling = config.async_scheduling is not False

@@ -97,9 +97,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, prefix_key=None):
+        """prefix_key: the `extra_key` of every prompt's prefix-cache lookup (the KV cache's format: see
+        `PagedAttention.prefix_key`)."""
         self.config = config
         self.kv = kv
+        self.prefix_key = prefix_key
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -271,7 +274,7 @@ class Scheduler:
             reservation = seq.width * cdiv(self.config.max_model_len, self.kv.block_size)
             if static and self._reserved_blocks + reservation > self.kv.num_blocks - self.kv.watermark_blocks:
                 break
-            cached = self.kv.allocate(seq.seq_id, seq.token_ids, is_resume=seq.num_preemptions > 0)
+            cached = self.kv.allocate(seq.seq_id, seq.token_ids, self.prefix_key, is_resume=seq.num_preemptions > 0)
             if cached is None:
                 break
             self.waiting.pop(0)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, fail, positive_int
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, fail, positive_int
 
 
 def _count(text: str) -> int:
@@ -45,6 +45,7 @@ def _common_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"positions per point of the plot and the JSON's buckets (default {DEFAULT_BUCKET})")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
+    add_kv_cache_flags(parser)
     parser.add_argument("--json", default=None, metavar="OUT", help="write the settings and results as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG", help="write perplexity against position (matplotlib)")
 
@@ -76,6 +77,8 @@ def run_eval(args: argparse.Namespace) -> int:
         problem = _check_outputs(args)
         if problem is None and args.eval_command == "perplexity" and args.kv_sinks and args.kv_window is None:
             problem = f"--kv-sinks {args.kv_sinks} needs --kv-window (without a window every token is kept)"
+        if problem is None and args.kv_cache_scales is not None and args.kv_cache_dtype == "auto":
+            problem = "--kv-cache-scales needs an fp8 --kv-cache-dtype (scales quantize an fp8 cache)"
         if problem is not None:
             return fail(command, problem)
         text = _read_texts(args.text)
@@ -152,7 +155,8 @@ def _disclosure(args: argparse.Namespace, loaded, text: str, num_tokens: int) ->
                 commit=_commit())
     settings = {"model": args.model, "dtype": str(loaded.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "text": list(args.text), "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                "tokens": num_tokens, "context": loaded.max_model_len, "chunk": args.chunk, "bucket": args.bucket}
+                "tokens": num_tokens, "context": loaded.max_model_len, "chunk": args.chunk, "bucket": args.bucket,
+                "kv_cache_dtype": args.kv_cache_dtype, "kv_cache_scales": args.kv_cache_scales}
     return {"disclosure": info, "settings": settings}
 
 
@@ -195,11 +199,17 @@ def _perplexity(args, loaded, token_ids, text, command) -> int:
         return fail(command, f"--text is {len(token_ids)} tokens, longer than the model's context ({context}): "
                      f"pass --max-tokens {context} to score its first {context}, or --kv-window W to stream past it")
     bar = _Progress()
-    result = perplexity(loaded, token_ids, chunk=args.chunk, streaming=streaming,
-                        progress=lambda done: bar("perplexity", done, len(token_ids)))
+    try:
+        result = perplexity(loaded, token_ids, chunk=args.chunk, streaming=streaming,
+                            progress=lambda done: bar("perplexity", done, len(token_ids)),
+                            kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales)
+    except ValueError as error:  # a device without fp8, or scales that do not fit the model
+        return fail(command, str(error))
     bar.close()
     dtype = str(loaded.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
     print(f"{args.model} ({dtype}, {loaded.model.inv_freq.device}), {streaming.describe()}, chunks of {args.chunk}")
+    if result.kv_scales is not None:
+        print(f"  KV cache {result.kv_cache_dtype}, scales {result.kv_scales['source']}: {result.kv_scales['detail']}")
     print(f"  perplexity {result.perplexity:.4f} (mean NLL {result.mean_nll:.5f} nats) over {result.tokens_scored} "
           f"tokens scored of {result.num_tokens}")
     print(f"  {result.tokens_per_s:.1f} tokens/s ({result.seconds:.2f} s)")
@@ -230,7 +240,8 @@ def _streaming(args, loaded, token_ids, text, command) -> int:
     bar = _Progress()
     try:
         result = streaming_experiment(loaded, token_ids, window=args.window, sinks=args.sinks, chunk=args.chunk,
-                                      progress=bar)
+                                      progress=bar, kv_cache_dtype=args.kv_cache_dtype,
+                                      kv_cache_scales=args.kv_cache_scales)
     except ValueError as error:
         return fail(command, str(error))
     bar.close()

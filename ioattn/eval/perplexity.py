@@ -13,6 +13,9 @@ released block; a block only partly outside the window stays and its hidden slot
 those of the sink+window mask whatever the chunk size; only memory and speed depend on it. The KV pool is sized
 for the worst step (sinks, window and one chunk), so a leak in eviction fails the run instead of passing unseen.
 
+An fp8 KV cache (`kv_cache_dtype`, `kv_cache_scales` as the engine takes them, see `ioattn.engine.kv_scales`)
+scores the text through the same fp8 writes and kernels as serving; the result says which scales it used.
+
 Positions stay those of the text (RoPE does not move when blocks are released), unlike StreamingLLM's own
 implementation, which numbers positions within the cache: past the model's context a sink's distance to the
 query exceeds anything the model was trained on.
@@ -30,11 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from ioattn.engine.attention import PagedAttention
+from ioattn.engine.kv_scales import KVScales, resolve_kv_scales
 from ioattn.engine.runner import Batch, ModelRunner
 from ioattn.engine.sampling import is_int
 from ioattn.intmath import cdiv
 from ioattn.kv import KVCacheManager, KVStats
 from ioattn.models.loader import LoadedModel
+from ioattn.ops.fp8 import check_fp8_supported, kv_cache_dtype_name, parse_kv_cache_dtype
 
 BLOCK_SIZE = 16
 DEFAULT_CHUNK = 512
@@ -84,11 +89,28 @@ def pool_blocks(num_tokens: int, chunk: int, streaming: Streaming, block_size: i
     return min(whole, cdiv(streaming.sinks, block_size) + cdiv(streaming.window + chunk, block_size) + 1)
 
 
+def kv_cache_format(loaded: LoadedModel, kv_cache_dtype: str = "auto",
+                    kv_cache_scales=None) -> tuple[torch.dtype | None, KVScales | None]:
+    """(the cache dtype, its scales) for these settings, as the engine resolves them (None, None: the model's
+    dtype). kv_cache_scales may be resolved `KVScales` already (several runs sharing one calibration)."""
+    kv_dtype = parse_kv_cache_dtype(kv_cache_dtype)
+    if kv_dtype is None:
+        if kv_cache_scales is not None:
+            raise ValueError("kv_cache_scales applies to an fp8 kv_cache_dtype only")
+        return None, None
+    check_fp8_supported(loaded.model.inv_freq.device, "kv_cache_dtype")
+    if isinstance(kv_cache_scales, KVScales):
+        return kv_dtype, kv_cache_scales
+    return kv_dtype, resolve_kv_scales(loaded, kv_dtype, kv_cache_scales)
+
+
 def paged_logits(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,
                  streaming: Streaming = Streaming(), block_size: int = BLOCK_SIZE,
-                 backend: str = "auto") -> Iterator[ChunkLogits]:
+                 backend: str = "auto", kv_cache_dtype: torch.dtype | None = None,
+                 kv_scales: KVScales | None = None) -> Iterator[ChunkLogits]:
     """Prefill `token_ids` as one sequence, `chunk` tokens a step, through the KV manager, `PagedAttention` and
-    the runner; yields every step's logits. backend: PagedAttention's ("auto": triton on CUDA, torch elsewhere)."""
+    the runner; yields every step's logits. backend: PagedAttention's ("auto": triton on CUDA, torch elsewhere).
+    kv_cache_dtype / kv_scales: as `kv_cache_format` returns them."""
     if not (is_int(chunk) and chunk >= 1):
         raise ValueError(f"chunk must be an int >= 1 (tokens per prefill step), got {chunk!r}")
     token_ids = list(token_ids)
@@ -104,7 +126,7 @@ def paged_logits(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = 
     attention = PagedAttention(
         loaded.config, num_blocks=num_blocks, block_size=block_size, dtype=model.model.embed_tokens.weight.dtype,
         device=model.inv_freq.device, max_num_seqs=1, backend=backend, kv_window=streaming.window,
-        kv_sinks=streaming.sinks,
+        kv_sinks=streaming.sinks, kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales,
     )
     runner = ModelRunner(model, attention, max_model_len=len(token_ids), max_num_seqs=1, use_cuda_graphs=False,
                          max_num_batched_tokens=chunk)
@@ -143,6 +165,8 @@ class Perplexity:
     blocks_held: int  # after the last step's eviction
     window_evicted_blocks: int
     seconds: float
+    kv_cache_dtype: str = "auto"
+    kv_scales: dict | None = None  # `KVScales.describe()` of an fp8 cache
 
     @property
     def tokens_scored(self) -> int:
@@ -172,6 +196,7 @@ class Perplexity:
             "chunk": self.chunk, "kv_window": self.streaming.window, "kv_sinks": self.streaming.sinks,
             "block_size": self.block_size, "kv_pool_blocks": self.num_blocks, "kv_peak_blocks": self.peak_blocks,
             "kv_blocks_held_at_end": self.blocks_held, "kv_window_evicted_blocks": self.window_evicted_blocks,
+            "kv_cache_dtype": self.kv_cache_dtype, "kv_scales": self.kv_scales,
         }
 
 
@@ -191,9 +216,9 @@ def bucket_means(nll: np.ndarray, size: int) -> list[dict]:
 
 def perplexity(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DEFAULT_CHUNK,
                streaming: Streaming = Streaming(), block_size: int = BLOCK_SIZE, backend: str = "auto",
-               progress=None) -> Perplexity:
+               progress=None, kv_cache_dtype: str = "auto", kv_cache_scales=None) -> Perplexity:
     """Score `token_ids` (at least 2) through `paged_logits`. progress: called with the tokens done after each
-    step. Full attention past the model's context would silently score positions RoPE was never trained on, so
+    step. kv_cache_dtype / kv_cache_scales: the engine's settings (`kv_cache_format`). Full attention past the model's context would silently score positions RoPE was never trained on, so
     without a window a longer text is an error naming both lengths; with one it runs past (StreamingLLM's point)."""
     if len(token_ids) < 2:
         raise ValueError(f"token_ids holds {len(token_ids)} token(s): scoring needs at least 2 (the first only "
@@ -202,12 +227,13 @@ def perplexity(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DE
     if streaming.window is None and len(token_ids) > context:
         raise ValueError(f"token_ids is {len(token_ids)} tokens, longer than the model's context ({context}): score "
                          f"its first {context}, or pass a kv_window to stream past the context")
+    kv_dtype, kv_scales = kv_cache_format(loaded, kv_cache_dtype, kv_cache_scales)
     targets = torch.tensor(list(token_ids[1:]), dtype=torch.int64)
     nll = np.empty(len(token_ids) - 1, dtype=np.float64)
     peak, last = 0, None
     begin = time.perf_counter()
     for step in paged_logits(loaded, token_ids, chunk=chunk, streaming=streaming, block_size=block_size,
-                             backend=backend):
+                             backend=backend, kv_cache_dtype=kv_dtype, kv_scales=kv_scales):
         rows = step.logits[: len(nll) - step.start]  # the text's last token predicts nothing
         picked = targets[step.start : step.start + len(rows)].to(rows.device)
         nll[step.start : step.start + len(rows)] = F.cross_entropy(rows, picked, reduction="none").double().cpu()
@@ -216,5 +242,7 @@ def perplexity(loaded: LoadedModel, token_ids: Sequence[int], *, chunk: int = DE
             progress(step.start + len(step.logits))
     seconds = time.perf_counter() - begin
     return Perplexity(nll, len(token_ids), chunk, streaming, block_size, last.num_blocks, peak, last.blocks_used,
-                      last.window_evicted_blocks, seconds)
+                      last.window_evicted_blocks, seconds,
+                      "auto" if kv_dtype is None else kv_cache_dtype_name(kv_dtype),
+                      None if kv_scales is None else kv_scales.describe())
 

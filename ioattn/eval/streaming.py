@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ioattn.eval.perplexity import Perplexity, Streaming, bucket_means, perplexity
+from ioattn.eval.perplexity import Perplexity, Streaming, bucket_means, kv_cache_format, perplexity
 
 RUNS = {"window": "(a)", "window+sinks": "(b)", "full": "(c)"}  # name: the letter above
 
@@ -54,17 +54,20 @@ def _span_perplexity(run: Perplexity, lo: int, hi: float) -> float | None:
 
 
 def streaming_experiment(loaded, token_ids, *, window: int, sinks: int, chunk: int, backend: str = "auto",
-                         progress=None) -> StreamingResult:
-    """The three runs; progress(run name, tokens done, tokens of the run) after each step."""
+                         progress=None, kv_cache_dtype: str = "auto", kv_cache_scales=None) -> StreamingResult:
+    """The three runs; progress(run name, tokens done, tokens of the run) after each step. kv_cache_dtype /
+    kv_cache_scales: the KV cache of all three (an fp8 cache's scales resolved once, shared by the runs)."""
     if not (isinstance(sinks, int) and sinks >= 1):
         raise ValueError(f"sinks must be an int >= 1 (run (a) is the window without sinks), got {sinks!r}")
     context = loaded.max_model_len
     settings = {"window": (Streaming(window, 0), token_ids), "window+sinks": (Streaming(window, sinks), token_ids),
                 "full": (Streaming(), token_ids[:context])}
+    kv_scales = kv_cache_format(loaded, kv_cache_dtype, kv_cache_scales)[1]
     runs = {}
     for name, (streaming, ids) in settings.items():
         report = None if progress is None else (lambda done, name=name, total=len(ids): progress(name, done, total))
-        runs[name] = perplexity(loaded, ids, chunk=chunk, streaming=streaming, backend=backend, progress=report)
+        runs[name] = perplexity(loaded, ids, chunk=chunk, streaming=streaming, backend=backend, progress=report,
+                                kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_scales)
     return StreamingResult(runs, context, window, sinks)
 
 

@@ -19,8 +19,10 @@ from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Checkpoint tensors with no parameter behind them: RoPE tables some older exports saved (recomputed here).
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# Checkpoint tensors with no parameter behind them: RoPE tables some older exports saved (recomputed here), and
+# the attention quantization scales llm-compressor writes (K/V ones are read by `read_kv_scales` for an fp8 KV cache).
+KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", *KV_SCALE_SUFFIXES, ".self_attn.q_scale")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     generation_config: dict = field(default_factory=dict)
     chat_template: ChatTemplateSource | None = None  # None: the model has none (random-weight presets)
+    # The checkpoint's `...self_attn.k_scale` / `v_scale` tensors by name, as found (checked against the model only
+    # when an fp8 KV cache uses them: `ioattn.engine.kv_scales`).
+    kv_scales: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int:
@@ -142,6 +147,19 @@ def load_weights(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
                         f"the model expects {tuple(target.shape)}"
                     )
                 target.copy_(tensor)
+
+
+def read_kv_scales(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The checkpoint's KV cache scale tensors (names ending in KV_SCALE_SUFFIXES), float32 on the CPU."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(KV_SCALE_SUFFIXES):
+                    found[name] = f.get_tensor(name).to(torch.float32)
+    return found
 
 
 def _preview(names: list[str], limit: int = 6) -> str:

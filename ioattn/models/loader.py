@@ -15,7 +15,7 @@ import torch
 
 from ioattn.models.checkpoint import (  # noqa: F401  (re-exported: the loader is where users look for them)
     ChatTemplateSource, LoadedModel, checkpoint_files, folder_chat_template, load_generation_config, load_weights,
-    resolve_dtype,
+    read_kv_scales, resolve_dtype,
 )
 from ioattn.models.config import ModelConfig, eos_token_ids
 from ioattn.models.gguf import GGUFFile, load_gguf, read_chat_template, read_config, read_tokenizer
@@ -42,7 +42,8 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", device=None) -> 
     tokenizer, stop_ids = _folder_tokenizer(name, config, generation_config)
     model = build_model(config, resolve_dtype(dtype, config, device), device)
     load_weights(model, name)
-    return LoadedModel(model, tokenizer, config, stop_ids, generation_config, folder_chat_template(name))
+    return LoadedModel(model, tokenizer, config, stop_ids, generation_config, folder_chat_template(name),
+                       read_kv_scales(name))
 
 
 def load_tokenizer(path_or_preset: str | os.PathLike) -> ByteTokenizer | HFTokenizer:

@@ -91,6 +91,13 @@ def check_scale_values(name: str, scale: torch.Tensor) -> None:
         raise ValueError(f"{name}[{head}] = {float(values[head])!r}: scales must be finite and > 0")
 
 
+def scale_for_amax(amax: torch.Tensor, dtype: torch.dtype, headroom: float) -> torch.Tensor:
+    """float32 scales 2^ceil(log2(amax * headroom / max)): amax lands in [max / (2 headroom), max / headroom]; a
+    power of two, so dequantization is exact in every dtype. amax 0 (nothing seen) gives 1."""
+    exponent = torch.ceil(torch.log2(amax.double() * headroom / fp8_max(dtype)))
+    return torch.where(amax > 0, torch.exp2(exponent), 1.0).float()
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x (..., num_kv_heads, D) -> fp8: x / scale per head in float32, saturated to ±max, rounded to nearest
     even; NaN stays NaN (the torch path of `reshape_and_cache`, and the tests' reference)."""

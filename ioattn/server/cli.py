@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, positive_int
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, positive_int
 
 API_KEY_ENV = "IOATTN_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -48,6 +48,7 @@ def add_serve_command(subparsers) -> argparse.ArgumentParser:
     serve.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--max-num-batched-tokens", type=int, default=None)
+    add_kv_cache_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true")
     serve.add_argument("--preemption-mode", default="recompute", choices=("recompute", "swap"))
     serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -84,7 +85,8 @@ def build_app(args: argparse.Namespace, on_engine_exit=None):
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode, enforce_eager=args.enforce_eager, device=args.device,
-        async_scheduling=False if args.no_async_scheduling else None,
+        async_scheduling=False if args.no_async_scheduling else None, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_scales=args.kv_cache_scales,
     )
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tensor_parallel_size}")

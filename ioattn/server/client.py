@@ -190,6 +190,7 @@ class EngineClient:
         self.process = process
         self.loop.add_reader(process.sentinel, self._process_exited, process)
         self.info = await self._ready
+        self.metrics.engine_ready(self.info)
         self.state, self.failure = "ready", None
         return self.info
 

@@ -139,6 +139,7 @@ def describe(engine, spec: EngineSpec) -> wire.EngineInfo:
         kv_cache_bytes=sum(cache.numel() * cache.element_size() for cache in caches),
         cache_dtype=described["cache_dtype"], attention_backend=str(described["backend"]),
         tensor_parallel_size=spec.tensor_parallel_size, pid=os.getpid(),
+        kv_scales=(described.get("kv_scales") or {}).get("source"),
     )
 
 

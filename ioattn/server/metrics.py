@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ioattn.engine.outputs import RequestOutput
-from ioattn.server.transport import EngineState
+from ioattn.server.transport import EngineInfo, EngineState
 
 # Seconds; chosen to resolve both a CPU test model (seconds) and a GPU server (milliseconds).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -33,6 +33,11 @@ class ServerMetrics:
         self.kv_usage = Gauge("ioattn_kv_cache_usage_perc", "Used KV blocks, percent of the pool", registry=registry)
         self.kv_blocks_used = Gauge("ioattn_kv_cache_blocks_used", "KV blocks held by sequences", registry=registry)
         self.kv_blocks_total = Gauge("ioattn_kv_cache_blocks_total", "KV blocks in the pool", registry=registry)
+        self.kv_tokens_total = Gauge("ioattn_kv_cache_tokens_total", "Token slots in the KV pool (blocks x block "
+                                     "size)", registry=registry)
+        self.kv_cache_info = Gauge("ioattn_kv_cache_info", "The KV cache's element type and, for fp8, where its "
+                                   "scales came from (1 for the engine's)", ["cache_dtype", "kv_scales"],
+                                   registry=registry)
         self.prefix_hit_rate = Gauge("ioattn_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, "
                                      "fraction of those looked up since start", registry=registry)
         self.prefix_queries = Counter("ioattn_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -71,6 +76,12 @@ class ServerMetrics:
         self.preemptions.inc(state.preemptions - self._last_preemptions)
         self._last_prefix_queries, self._last_prefix_hits = queried, hits
         self._last_preemptions = state.preemptions
+
+    def engine_ready(self, info: EngineInfo) -> None:
+        """What the engine process loaded: its KV cache's capacity and format."""
+        self.kv_tokens_total.set(info.kv_tokens)
+        self.kv_cache_info.clear()
+        self.kv_cache_info.labels(cache_dtype=info.cache_dtype or "", kv_scales=info.kv_scales or "").set(1)
 
     def engine_restarted(self) -> None:
         """A new engine process counts from zero again."""

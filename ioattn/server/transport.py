@@ -68,6 +68,7 @@ class EngineInfo(msgspec.Struct):
     attention_backend: str
     tensor_parallel_size: int
     pid: int
+    kv_scales: str | None = None  # an fp8 cache's scale source (checkpoint, calibrated, user, unit)
 
     @property
     def kv_tokens(self) -> int:

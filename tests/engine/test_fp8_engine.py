@@ -1,0 +1,242 @@
+"""The engine with an FP8 KV cache: pool sizing in bytes, where the scales come from (checkpoint, user, calibration)
+and how bad ones are refused at start-up, the prefix-cache key, block moves (copy-on-write, swap, disaggregated
+export/import) on fp8 blocks, and what stats() / explain report. CPU, the tiny preset and tiny HF checkpoints; the
+real model's quality figures are in bench/results/2026-12-02-fp8-kv-smollm2-cpu.md (lab/fp8_smollm2_cpu.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from ioattn import LLM
+from ioattn.engine.config import EngineConfig, resolve_settings
+from ioattn.engine.kv_scales import HEADROOM, KVScales, calibrate, checkpoint_scales
+from ioattn.engine.llm_engine import LLMEngine
+from ioattn.engine.sampling import SamplingParams
+from ioattn.kv import KVCacheManager
+from ioattn.models.loader import load_model
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "models"))
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(20 + 5 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", dtype="float32", device="cpu")
+
+
+def engine(loaded, **kwargs) -> LLMEngine:
+    settings = dict(device="cpu", num_blocks=96, block_size=4, max_model_len=128, max_num_seqs=4,
+                    max_num_batched_tokens=32)
+    return LLMEngine(loaded, EngineConfig(**{**settings, **kwargs}))
+
+
+def run(eng: LLMEngine, prompts=PROMPTS, params=GREEDY) -> list[list[list[int]]]:
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"r{i}-{eng.num_steps}", params=params, prompt_token_ids=ids)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    return [done[k] for k in sorted(done)]
+
+
+def test_fp8_pool_holds_more_tokens_in_the_same_bytes(tiny):
+    # The CPU default pool is a byte budget: fp8 holds 4x the blocks of float32 (2x those of a 16-bit cache).
+    auto = resolve_settings(EngineConfig(device="cpu"), tiny)
+    fp8 = resolve_settings(EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3"), tiny)
+    assert auto.block_bytes == 4 * fp8.block_bytes
+    assert fp8.num_blocks == 4 * auto.num_blocks
+    assert fp8.cache_dtype == torch.float8_e4m3fn and auto.cache_dtype == torch.float32
+    assert fp8.kv_scales.source == "calibrated" and auto.kv_scales is None
+
+
+def test_fp8_engine_reports_its_cache_and_scales(tiny):
+    eng = engine(tiny, kv_cache_dtype="fp8_e5m2")
+    described = eng.stats()["attention"]
+    assert described["cache_dtype"] == "fp8_e5m2"
+    assert described["kv_scales"]["source"] == "calibrated" and "random token ids" in described["kv_scales"]["detail"]
+    assert eng.attention.k_caches[0].dtype == torch.float8_e5m2
+    assert eng.prefix_key == ("kv_cache", "fp8_e5m2", described["kv_scales"]["identity"])
+    assert engine(tiny).stats()["attention"]["cache_dtype"] == "float32" and engine(tiny).prefix_key is None
+
+
+def test_calibration_rule_is_a_power_of_two_above_amax(tiny):
+    scales = calibrate(tiny, torch.float8_e4m3fn)
+    for s in (scales.k, scales.v):
+        assert s.shape == (tiny.config.num_layers, tiny.config.num_kv_heads)
+        exponents = torch.log2(s)
+        assert torch.equal(exponents, exponents.round())  # powers of two: dequantization is exact
+    # Recompute amax the same way the pass does: 448 / (2 x 1.25) < amax / scale <= 448 / 1.25.
+    from ioattn.engine.kv_scales import _Recorder, calibration_tokens
+    from ioattn.models.llama import DenseCausalAttention
+
+    sequences, _ = calibration_tokens(tiny, tiny.max_model_len)
+    ids = torch.tensor([t for seq in sequences for t in seq])
+    positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
+    recorder = _Recorder(DenseCausalAttention.build([len(s) for s in sequences], tiny.config, "cpu", backend="torch"),
+                         tiny.config.num_layers, tiny.config.num_kv_heads)
+    with torch.inference_mode():
+        tiny.model(ids, positions, recorder)
+    for amax, s in ((recorder.k_amax, scales.k), (recorder.v_amax, scales.v)):
+        ratio = amax / s
+        assert (ratio <= 448 / HEADROOM).all() and (ratio > 448 / (2 * HEADROOM)).all()
+
+
+def test_user_scales_number_file_and_unit_warning(tiny, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        half = engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=0.5)
+    assert half.attention.kv_scales.source == "user" and torch.all(half.attention.kv_scales.k == 0.5)
+    with pytest.warns(UserWarning, match="uncalibrated"):
+        unit = engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=1.0)
+    assert unit.stats()["attention"]["kv_scales"]["source"] == "unit"
+    layers, heads = tiny.config.num_layers, tiny.config.num_kv_heads
+    good = tmp_path / "scales.json"
+    good.write_text(json.dumps({"k_scale": [[0.25] * heads] * layers, "v_scale": [0.125] * layers}))
+    from_file = engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(good))
+    assert torch.all(from_file.attention.kv_scales.v == 0.125) and from_file.attention.kv_scales.source == "user"
+    bad_cases = [
+        ({"k_scale": [[0.25] * (heads + 1)] * layers, "v_scale": [1.0] * layers}, r"k_scale\[0\] must be a number "
+                                                                                   f"or a list of {heads}"),
+        ({"k_scale": [0.25] * (layers - 1), "v_scale": [1.0] * layers}, f"one entry per layer \\({layers}\\)"),
+        ({"k_scale": [0.25] * layers, "v_scale": [1.0] * (layers - 1) + [-1.0]}, "finite and > 0"),
+        ({"k_scale": [0.25] * layers}, "'k_scale' and 'v_scale'"),
+    ]
+    for data, message in bad_cases:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=message):
+            engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(bad))
+    for setting, message in ((0.0, "kv_cache_scales must be"), (math.inf, "kv_cache_scales must be"),
+                             (str(tmp_path / "missing.json"), "No such file")):
+        with pytest.raises(ValueError, match=message):
+            engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=setting)
+    with pytest.raises(ValueError, match="kv_cache_scales must be None unless"):
+        EngineConfig(kv_cache_scales=0.5)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="checkpoint carries no"):
+        engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales="checkpoint")
+
+
+def _checkpoint_with_scales(path, k_scales, v_scales):
+    """A tiny HF llama folder whose model.safetensors also holds per-layer self_attn.k_scale / v_scale."""
+    pytest.importorskip("transformers")
+    from hf_checkpoints import save_hf_model
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model("llama", path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for layer, (k, v) in enumerate(zip(k_scales, v_scales)):
+        if k is not None:
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k, dtype=torch.float32)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return str(path)
+
+
+def test_checkpoint_scales_are_loaded_and_mismatches_refused(tmp_path):
+    # The tiny HF llama: 2 layers, 2 KV heads. Per-head K scales, per-tensor V scales (shape (1,)).
+    path = _checkpoint_with_scales(tmp_path / "good", [[0.5, 0.25], [0.125, 1.0]], [[0.0625], [2.0]])
+    loaded = load_model(path, dtype="float32", device="cpu")
+    eng = engine(loaded, kv_cache_dtype="fp8_e4m3", max_model_len=64)
+    scales = eng.attention.kv_scales
+    assert scales.source == "checkpoint"
+    assert scales.k.tolist() == [[0.5, 0.25], [0.125, 1.0]] and scales.v.tolist() == [[0.0625, 0.0625], [2.0, 2.0]]
+    assert len(run(eng, [[1, 5, 9, 13, 17, 21, 25]])) == 1
+    # "calibrate" overrides them; the auto engine ignores them.
+    assert engine(loaded, kv_cache_dtype="fp8_e4m3", kv_cache_scales="calibrate",
+                  max_model_len=64).attention.kv_scales.source == "calibrated"
+    assert engine(loaded, max_model_len=64).attention.kv_scales is None
+    wrong_heads = load_model(_checkpoint_with_scales(tmp_path / "heads", [[0.5, 0.25, 1.0], [1.0]], [[1.0], [1.0]]),
+                             dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_scale has shape \(3,\).*per KV head \(2"):
+        engine(wrong_heads, kv_cache_dtype="fp8_e4m3", max_model_len=64)
+    missing_layer = load_model(_checkpoint_with_scales(tmp_path / "layers", [[1.0], None], [[1.0], [1.0]]),
+                               dtype="float32", device="cpu")
+    with pytest.raises(ValueError, match=r"do not match the model's 2 layers: missing \['model.layers.1.self_attn"):
+        engine(missing_layer, kv_cache_dtype="fp8_e4m3", max_model_len=64)
+    with pytest.raises(ValueError, match="finite and > 0"):
+        checkpoint_scales({f"model.layers.0.self_attn.{k}": torch.tensor([0.0]) for k in ("k_scale", "v_scale")}, 1, 2)
+
+
+def test_prefix_cache_key_separates_formats_and_scales():
+    kv = KVCacheManager(16, 4)
+    tokens = list(range(1, 14))
+    key_a = ("kv_cache", "fp8_e4m3", "aaaa")
+    assert kv.allocate("a", tokens, key_a) == 0
+    kv.mark_computed("a", len(tokens))
+    kv.free("a")
+    assert kv.allocate("same", tokens, key_a) == 12  # three full blocks, the last token's block excluded
+    assert kv.allocate("other-scales", tokens, ("kv_cache", "fp8_e4m3", "bbbb")) == 0
+    assert kv.allocate("other-dtype", tokens, None) == 0
+
+
+def test_fp8_prefix_hits_cow_and_swap_match_a_plain_run(tiny):
+    # Prefix-cache hits, copy-on-write forks (n=2) and swap preemption move fp8 blocks as bytes: the tokens are
+    # those of a run with none of them (a pool large enough, nothing cached yet).
+    params = SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=8, ignore_eos=True)
+    roomy = engine(tiny, kv_cache_dtype="fp8_e4m3")
+    plain = run(roomy, PROMPTS, params)
+    busy = engine(tiny, kv_cache_dtype="fp8_e4m3", num_blocks=24, max_model_len=48, preemption_mode="swap",
+                  swap_space=0.01)
+    assert run(busy, PROMPTS, params) == plain
+    assert busy.kv.stats().swap_out_blocks > 0 and busy.kv.stats().cow_copies > 0
+    assert roomy.kv.stats().prefix_hit_tokens == 0
+    assert run(roomy, PROMPTS, params) == plain  # now from the prefix cache's fp8 blocks
+    assert roomy.kv.stats().prefix_hit_tokens > 0
+
+
+def test_fp8_with_tensor_parallelism_is_refused(tiny):
+    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+        resolve_settings(EngineConfig(device="cpu", kv_cache_dtype="fp8_e4m3"), tiny, agree_num_blocks=lambda n: n)
+
+
+def test_llm_keyword_and_explain(tiny):
+    llm = LLM(tiny, kv_cache_dtype="fp8_e4m3", num_blocks=64, max_model_len=128, device="cpu")
+    out = llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5]], sampling_params=GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+    attention = llm.engine.attention
+    plan = attention.describe()
+    assert plan["cache_dtype"] == "fp8_e4m3"
+    import ioattn
+
+    q = torch.zeros(1, tiny.config.num_heads, tiny.config.head_dim)
+    text = str(ioattn.explain(q, attention.k_caches[0], attention.v_caches[0],
+                              block_table=torch.zeros(1, 1, dtype=torch.int32),
+                              seq_lens=torch.ones(1, dtype=torch.int32), k_scale=attention.k_scales[0],
+                              v_scale=attention.v_scales[0]))
+    assert "fp8_e4m3 KV cache" in text
+
+
+def test_disaggregated_fp8_ships_fp8_blocks(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_checkpoints import save_hf_model
+    from ioattn.distributed import DisaggregatedEngine
+
+    save_hf_model("llama", tmp_path)
+    config = EngineConfig(dtype="float32", device="cpu", block_size=4, num_blocks=64, max_model_len=64,
+                          max_num_seqs=4, max_num_batched_tokens=8, kv_cache_dtype="fp8_e4m3")
+    prompts = [[1, 4, 9, 16, 25, 36, 49, 64, 81, 3, 5], list(range(20, 32))]
+    colocated = run(LLMEngine(str(tmp_path), config), prompts)
+    with DisaggregatedEngine(str(tmp_path), config, timeout_s=60) as disagg:
+        assert run(disagg, prompts) == colocated
+        assert disagg.shipped_blocks == 4 and disagg.attention.k_caches[0].dtype == torch.float8_e4m3fn
+
+
+def test_kvscales_identity_follows_the_values():
+    a = KVScales(torch.ones(2, 3), torch.ones(2, 3), "user", "")
+    b = KVScales(torch.ones(2, 3), torch.ones(2, 3) * 2, "user", "")
+    assert a.identity() == KVScales(torch.ones(2, 3), torch.ones(2, 3), "calibrated", "x").identity()
+    assert a.identity() != b.identity()
