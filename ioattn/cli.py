@@ -14,7 +14,7 @@ import pkgutil
 import sys
 import time
 
-from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, fail, positive_int
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, fail, positive_int
 
 EXPLAIN_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -50,6 +50,7 @@ def _add_generate_command(subparsers) -> None:
     generate.add_argument("--device", default=None)
     generate.add_argument("--num-blocks", type=int, default=None)
     generate.add_argument("--max-model-len", type=int, default=None)
+    add_kv_cache_flags(generate)
     generate.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
 
@@ -176,7 +177,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-        llm = LLM(loaded, num_blocks=args.num_blocks, max_model_len=args.max_model_len)
+        llm = LLM(loaded, num_blocks=args.num_blocks, max_model_len=args.max_model_len,
+                  kv_cache_dtype=args.kv_cache_dtype, kv_cache_scales=args.kv_cache_scales)
     except (ValueError, OSError) as error:
         return fail("generate", str(error))
     inputs = {"prompts": prompts}
@@ -197,7 +199,8 @@ def _generate(args: argparse.Namespace) -> int:
     num_output_tokens = sum(len(c["token_ids"]) for r in results for c in r["completions"])
     summary = {"requests": len(results), "output_tokens": num_output_tokens, "elapsed_s": round(elapsed, 4),
                "output_tokens_per_s": round(num_output_tokens / elapsed, 2) if elapsed > 0 else None,
-               "preemptions": llm.engine.stats()["preemptions"]}
+               "preemptions": llm.engine.stats()["preemptions"],
+               "kv_cache_dtype": llm.engine.stats()["attention"]["cache_dtype"]}
     if args.json:
         print(json.dumps({"model": args.model, "results": results, "summary": summary}, indent=2, ensure_ascii=False))
     else:
