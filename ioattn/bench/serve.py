@@ -62,7 +62,7 @@ def run(args) -> dict:
         model = None if args.launch else args.served_model_name
         try:
             if len(args.request_rates) > 1:
-                result["sweep"] = run_sweep(url, model, args)
+                result["sweep"] = run_sweep(url, model, args, args.json and args.json + ".partial.jsonl")
             else:
                 result["server"] = run_server(url, model, work, args, args.request_rate)
         finally:
@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results as JSON here")
     parser.add_argument("--out", help="directory for commit-ready <date>-serve-<device>.{json,md} with disclosure "
                         "(a sweep: <date>-serve-sweep-<model>-<device>.{json,md,png})")
+    parser.add_argument("--replot", metavar="RESULT.json", help="only draw a sweep's PNG from its JSON (written "
+                        "where matplotlib was missing), beside it")
     args = parser.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     given = {word.split("=")[0] for word in (sys.argv[1:] if argv is None else argv) if word.startswith("--")}
     args.request_rates, args.request_rate = args.request_rate, args.request_rate[0]
     args.goodput = dict(args.goodput)
@@ -294,10 +298,30 @@ def main(argv: list[str] | None = None) -> int:
             write_text(paths["json"], payload)
             figure = ""
             if "sweep" in result:
-                plot_sweep(result["sweep"], paths["png"], f"ioattn serve, {args.model}, {disclosure.get('gpu')}"
-                           if disclosure.get("gpu", "none") != "none" else f"ioattn serve, {args.model}, CPU")
                 figure = f"\n\n![latency against throughput]({paths['png'].name})\n"
+                try:
+                    plot_sweep(result["sweep"], paths["png"], sweep_title(result))
+                except ImportError:
+                    print(f"matplotlib is missing: draw the PNG elsewhere with `ioattn bench serve --replot "
+                          f"{paths['json']}`", file=sys.stderr)
             write_text(paths["md"], f"# ioattn bench serve\n\n{disclosure_markdown(result)}\n\n{text}\n{figure}")
+    return 0
+
+
+def sweep_title(result: dict) -> str:
+    gpu = result["disclosure"].get("gpu", "none")
+    return f"ioattn serve, {result['settings']['model']}, {'CPU' if gpu == 'none' else gpu}"
+
+
+def replot(path: str) -> int:
+    with open(path) as f:
+        result = json.load(f)
+    if "sweep" not in result:
+        print(f"ioattn bench serve: error: {path} holds no request-rate sweep", file=sys.stderr)
+        return 2
+    png = os.path.splitext(path)[0] + ".png"
+    plot_sweep(result["sweep"], png, sweep_title(result))
+    print(png)
     return 0
 
 
@@ -307,6 +331,7 @@ def plot_sweep(runs: list[dict], path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     throughput = [run["output_throughput"] for run in runs]
@@ -320,7 +345,9 @@ def plot_sweep(runs: list[dict], path, title: str) -> None:
         ax.set_xlabel("output throughput (tok/s)")
         ax.set_ylabel(f"{metric.upper()} (ms)")
         ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title + ": latency against throughput (points: request rates)", fontsize=10)
     fig.tight_layout()

@@ -111,16 +111,21 @@ def run_server(url: str, model: str | None, work: list[WorkItem], args, request_
     return {**summary, "server_counters": counters} if counters else summary
 
 
-def run_sweep(url: str, model: str | None, args) -> list[dict]:
+def run_sweep(url: str, model: str | None, args, partial_path: str | None = None) -> list[dict]:
     """The workload at each of `args.request_rates`, in order, against one server. Rate i draws its prompts with
-    seed + i: the same distribution, none found in the prefix cache from an earlier rate."""
+    seed + i: the same distribution, none found in the prefix cache from an earlier rate. Each rate's summary is
+    appended to `partial_path` (JSON lines) as soon as it is done, so a run cut short keeps what it measured."""
     runs = []
     for index, rate in enumerate(args.request_rates):
         work, _ = build_workload(argparse.Namespace(**{**vars(args), "seed": args.seed + index}))
-        runs.append({"request_rate": rate, **run_server(url, model, work, args, rate)})
-        print(f"request rate {rate:g}/s: {runs[-1]['output_throughput']:.1f} output tok/s, median TTFT "
-              f"{runs[-1]['median_ttft_ms']:.0f} ms, median TPOT {runs[-1]['median_tpot_ms'] or 0:.1f} ms",
-              file=sys.stderr)
+        run = {"request_rate": rate, **run_server(url, model, work, args, rate)}
+        runs.append(run)
+        print(f"request rate {rate:g}/s: {run['output_throughput']:.1f} output tok/s, TTFT median / P99 "
+              f"{run['median_ttft_ms']:.0f} / {run['p99_ttft_ms']:.0f} ms, TPOT median / P99 "
+              f"{run['median_tpot_ms'] or 0:.1f} / {run['p99_tpot_ms'] or 0:.1f} ms", file=sys.stderr)
+        if partial_path:
+            with open(partial_path, "a") as f:
+                f.write(json.dumps(run, default=str) + "\n")
     return runs
 
 
