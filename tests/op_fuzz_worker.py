@@ -19,6 +19,7 @@ import torch
 
 import ioattn
 from attention_grad_ref import attention_grads_ref
+from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
@@ -212,9 +213,35 @@ def _table(case, gen, num_blocks, width, device):
     return table.to(device)
 
 
+def _fp8_caches(case, gen, shape, device):
+    """For case["kv"] an fp8 format: k/v caches of random values quantized with per-head scales, the scales as
+    the case passes them (maybe corrupted), and the float64 dequantized caches the reference reads."""
+    fp8 = KV_CACHE_DTYPES[case["kv"]]
+    heads = shape[2]
+    scales = [(torch.rand(heads, generator=gen) + 0.1).to(device) for _ in range(2)]
+    caches = [quantize(torch.randn(shape, generator=gen).to(device) * s[:, None] * 40, s, fp8) for s in scales]
+    refs = [dequantize(c, s, torch.float64) for c, s in zip(caches, scales)]
+    return caches, _corrupt_scales(case.get("scales", "ok"), scales), refs
+
+
+def _corrupt_scales(corruption: str, scales):
+    k_scale, v_scale = scales
+    if corruption == "missing":
+        return None, v_scale
+    if corruption == "shape":
+        return k_scale[:1] if k_scale.numel() > 1 else torch.cat([k_scale, k_scale]), v_scale
+    if corruption == "zero":
+        return torch.zeros_like(k_scale), v_scale
+    if corruption == "nan":
+        return k_scale, torch.full_like(v_scale, float("nan"))
+    if corruption == "float64":
+        return k_scale.double(), v_scale
+    return k_scale, v_scale
+
+
 def run_paged(case, device):
     """paged_attention (decode, or multi-token with cu_seqlens_q) against the float64 reference over each
-    sequence's gathered cache."""
+    sequence's gathered cache (for an fp8 cache, the dequantized one)."""
     gen = torch.Generator().manual_seed(case["seed"])
     dtype = DTYPES[case["dtype"]]
     page, hkv, d = case["page"], case["Hkv"], case["D"]
@@ -222,8 +249,17 @@ def run_paged(case, device):
     lens = case["seq_lens"]
     width = max(1, max((n + page - 1) // page for n in lens))
     num_blocks = case["batch"] * width
-    k_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
-    v_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
+    scales = {}
+    if case.get("kv"):
+        (k_cache, v_cache), (k_scale, v_scale), (k_ref, v_ref) = _fp8_caches(case, gen, (num_blocks, page, hkv, d),
+                                                                             device)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
+    else:
+        k_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
+        v_cache = _random((num_blocks, page, hkv, d), dtype, gen, device)
+        k_ref, v_ref = k_cache, v_cache
+        if case.get("scales") == "extra":  # scales beside a cache that is not fp8
+            scales = dict(k_scale=torch.ones(hkv, device=device), v_scale=torch.ones(hkv, device=device))
     table = _table(case, gen, num_blocks, width, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     if case["lens"] == "past_capacity":
@@ -238,14 +274,14 @@ def run_paged(case, device):
     window = tuple(case["window"])
     out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, causal=True,
                                  window_size=window, sink_tokens=case["sinks"], num_splits=case["splits"],
-                                 gather=case["gather"], backend=case.get("backend", "auto"))
+                                 gather=case["gather"], backend=case.get("backend", "auto"), **scales)
     outs, start = [], 0
     for b, (n, m) in enumerate(zip(lens, q_lens)):
         blocks = table[b].long().cpu()
         rows = torch.arange(n)
         key_rows = blocks[rows // page] * page + rows % page
-        keys = k_cache.reshape(-1, hkv, d).cpu()[key_rows]
-        values = v_cache.reshape(-1, hkv, d).cpu()[key_rows]
+        keys = k_ref.reshape(-1, hkv, d).cpu()[key_rows]
+        values = v_ref.reshape(-1, hkv, d).cpu()[key_rows]
         o, _ = attention_ref(q[start : start + m].cpu()[None], keys[None], values[None], causal=True,
                              window_size=window, sink_tokens=case["sinks"])
         outs.append(o[0])
@@ -257,8 +293,11 @@ def run_cache_write(case, device):
     gen = torch.Generator().manual_seed(case["seed"])
     dtype = DTYPES[case["dtype"]]
     num_blocks, page, hkv, d = 4, case["page"], case["Hkv"], case["D"]
-    k_cache = torch.zeros(num_blocks, page, hkv, d, dtype=torch.float32, device=device)
+    fp8 = KV_CACHE_DTYPES.get(case.get("kv") or "auto")
+    k_cache = torch.zeros(num_blocks, page, hkv, d, dtype=fp8 or torch.float32, device=device)
     v_cache = torch.zeros_like(k_cache)
+    true_scales = [(torch.rand(hkv, generator=gen) + 0.05).to(device) for _ in range(2)]
+    scales = dict(zip(("k_scale", "v_scale"), _corrupt_scales(case.get("scales", "ok"), true_scales))) if fp8 else {}
     tokens = case["tokens"]
     slots = torch.randperm(num_blocks * page, generator=gen)[:tokens]
     corruption = case["slots"]
@@ -274,11 +313,20 @@ def run_cache_write(case, device):
         slots[1] = slots[0]
     key = _random((tokens, hkv, d), dtype, gen, device)
     value = _random((tokens, hkv, d), dtype, gen, device)
+    if fp8 is not None and key.dtype.is_floating_point:
+        key, value = key * 500, value * 500  # past the format's range with small scales: saturation
     slot_mapping = slots.to(DTYPES.get(case["slot_dtype"], torch.int64)).to(device)
-    ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, backend=case.get("backend", "auto"))
-    expected = torch.zeros(num_blocks * page, hkv, d)
+    ioattn.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, backend=case.get("backend", "auto"),
+                             **scales)
     slots = slot_mapping.long().cpu()  # as passed (a cast to int32 may have wrapped it)
     keep = slots >= 0
+    if fp8 is not None:  # bit for bit: the quantized values, never NaN from finite ones
+        written = k_cache.reshape(-1, hkv, d)[slots[keep].to(device)]
+        expected = quantize(key[keep.to(device)], true_scales[0], fp8)
+        if not torch.equal(written.view(torch.uint8), expected.view(torch.uint8)) or written.float().isnan().any():
+            return "fp8 k_cache differs from the saturating round-to-nearest-even quantization"
+        return None
+    expected = torch.zeros(num_blocks * page, hkv, d)
     expected[slots[keep]] = key.cpu().float()[keep]
     return _compare("k_cache", k_cache.reshape(-1, hkv, d).cpu(), expected, torch.float32) if keep.any() else None
 
@@ -286,19 +334,22 @@ def run_cache_write(case, device):
 def run_block_copy(case, device):
     gen = torch.Generator().manual_seed(case["seed"])
     caches = [torch.randn(6, 2, 1, 8, generator=gen).to(device) for _ in range(2)]
-    expected = [c.clone() for c in caches]
+    fp8 = KV_CACHE_DTYPES.get(case.get("kv") or "auto")
+    if fp8 is not None:  # fp8 blocks move as bytes; compared through their float values (exact)
+        caches = [c.to(fp8) for c in caches]
+    expected = [c.float().clone() for c in caches]
     pairs = case["pairs"]
     mapping = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
     if case["op"] == "copy_blocks":
         ioattn.copy_blocks(caches[:1], caches[1:], mapping.to(device))
         for c in expected:
             c[mapping[:, 1]] = c[mapping[:, 0]]
-        return _compare("caches", torch.stack(caches), torch.stack(expected), torch.float32)
-    dst = torch.zeros(3, 2, 1, 8, device=device)
+        return _compare("caches", torch.stack(caches).float(), torch.stack(expected).float(), torch.float32)
+    dst = torch.zeros(3, 2, 1, 8, device=device, dtype=caches[0].dtype)
     ioattn.swap_blocks(caches[0], dst, mapping)
-    want = torch.zeros_like(dst)
-    want[mapping[:, 1]] = caches[0][mapping[:, 0]]
-    return _compare("dst", dst, want, torch.float32)
+    want = torch.zeros_like(dst, dtype=torch.float32)
+    want[mapping[:, 1]] = caches[0].float()[mapping[:, 0]]
+    return _compare("dst", dst.float(), want, torch.float32)
 
 
 RUNNERS = {"flash_attn_func": run_dense, "flash_attn_varlen_func": run_varlen, "sdpa": run_sdpa,

@@ -240,3 +240,19 @@ def test_kvscales_identity_follows_the_values():
     b = KVScales(torch.ones(2, 3), torch.ones(2, 3) * 2, "user", "")
     assert a.identity() == KVScales(torch.ones(2, 3), torch.ones(2, 3), "calibrated", "x").identity()
     assert a.identity() != b.identity()
+
+
+@pytest.mark.gpu
+def test_fp8_engine_on_gpu_graphs_match_eager_and_compile_nothing_while_serving():
+    from ioattn.kernels.paged_attention import paged_attention_kernel
+
+    loaded = load_model("tiny", dtype="float32", device="cuda")  # float32 queries: graphs and eager round alike
+    prompts = [[(5 * i + j) % 250 + 1 for j in range(40 + 30 * i)] for i in range(6)]
+    settings = dict(device="cuda", kv_cache_dtype="fp8_e4m3", max_model_len=512, num_blocks=256)
+    graphed = LLMEngine(loaded, EngineConfig(**settings))
+    kernels = paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(kernels)
+    tokens = run(graphed, prompts)
+    assert len(kernels) == compiled, "a paged kernel compiled while serving"
+    assert graphed.stats()["attention"]["cache_dtype"] == "fp8_e4m3"
+    assert run(LLMEngine(loaded, EngineConfig(**settings, enforce_eager=True)), prompts) == tokens

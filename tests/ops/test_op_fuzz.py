@@ -28,7 +28,7 @@ CASE_TIMEOUT_S = 300
 ARGUMENT_WORDS = ("q", "k", "v", "key", "value", "query", "cu_seqlens", "max_seqlen", "window_size", "softmax_scale",
                   "scale", "backend", "deterministic", "block_table", "seq_lens", "slot_mapping", "block_mapping",
                   "k_cache", "v_cache", "attn_mask", "num_splits", "sink_tokens", "head", "dtype", "src", "dst",
-                  "sequence", "gather", "causal", "enable_gqa", "cache", "heads")
+                  "sequence", "gather", "causal", "enable_gqa", "cache", "heads", "k_scale", "v_scale")
 
 
 class Worker:
@@ -104,6 +104,8 @@ BAD_SCALES = st.sampled_from([float("inf"), float("nan"), "abc", True])
 BACKENDS = st.sampled_from(["auto", "triton", "torch"])
 BAD_BACKENDS = st.sampled_from(["cuda", None, 1])
 SEEDS = st.integers(0, 2**31)
+KV_FORMATS = st.sampled_from([None, None, "fp8_e4m3", "fp8_e5m2"])  # None: the cache in the query's dtype
+BAD_SCALES_FP8 = st.sampled_from(["missing", "shape", "zero", "nan", "float64", "extra"])
 
 
 @st.composite
@@ -166,8 +168,8 @@ def paged_cases(draw):
         window=st.sampled_from([(-1, -1), (5, -1), (0, -1), (3, 0)]), sinks=st.sampled_from([0, 2]),
         splits=st.sampled_from([0, 1, 3, 64]), gather=st.sampled_from([None, False] + ([True] if not decode else [])),
         table=st.just("ok"), lens=st.just("ok"), cu_q=st.just("ok"),
-        extra_query=st.just(False), backend=BACKENDS,
-    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, page=st.sampled_from([3, 512]), splits=st.sampled_from([-1, 65, 1.0]),
+        extra_query=st.just(False), backend=BACKENDS, kv=KV_FORMATS, scales=st.just("ok"),
+    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, scales=BAD_SCALES_FP8, page=st.sampled_from([3, 512]), splits=st.sampled_from([-1, 65, 1.0]),
             sinks=st.sampled_from([-1, 2**40]), table=st.sampled_from(["oob", "num_blocks", "negative", "evicted", "transposed"]),
             lens=st.sampled_from(["past_capacity", "negative"]), window=BAD_WINDOWS,
             gather=st.sampled_from(["yes"]), extra_query=st.just(not decode),
@@ -182,8 +184,8 @@ def cache_write_cases(draw):
     case = knobs(draw, dict(
         seed=SEEDS, dtype=DTYPES, page=st.sampled_from([1, 4, 16]), Hkv=st.sampled_from([1, 3]),
         D=st.sampled_from([16, 24]), tokens=st.integers(0, 4), slots=st.sampled_from(["ok", "padding"]),
-        slot_dtype=st.sampled_from(["int64", "int32"]), backend=BACKENDS,
-    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, slots=st.sampled_from(["oob", "huge", "below_padding", "duplicate"]),
+        slot_dtype=st.sampled_from(["int64", "int32"]), backend=BACKENDS, kv=KV_FORMATS, scales=st.just("ok"),
+    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, scales=BAD_SCALES_FP8, slots=st.sampled_from(["oob", "huge", "below_padding", "duplicate"]),
             slot_dtype=st.sampled_from(["float32"])))
     return dict(op="reshape_and_cache", **case)
 
@@ -192,7 +194,7 @@ def cache_write_cases(draw):
 def block_copy_cases(draw):
     pairs = draw(st.lists(st.tuples(st.integers(-2, 7), st.integers(-2, 7)), max_size=3))
     return dict(op=draw(st.sampled_from(["copy_blocks", "swap_blocks"])), seed=draw(SEEDS),
-                pairs=[list(p) for p in pairs])
+                pairs=[list(p) for p in pairs], kv=draw(KV_FORMATS))
 
 
 @fuzz_settings
@@ -257,6 +259,18 @@ KNOWN_CASES = [
          group=4, D=32, window=(-1, -1), sinks=0, splits=3, gather=None, table="ok", lens="ok", cu_q="ok"),
     dict(op="reshape_and_cache", seed=9, dtype="float32", page=4, Hkv=1, D=16, tokens=3, slots="oob",
          slot_dtype="int64"),
+    # FP8 caches: bf16 decode over splits and GQA 4, a gathered chunk, saturating writes, and every bad scale.
+    dict(op="paged_attention", seed=10, dtype="bfloat16", batch=2, seq_lens=[30, 7], q_lens=None, page=2, Hkv=2,
+         group=4, D=32, window=(-1, -1), sinks=0, splits=3, gather=None, table="ok", lens="ok", cu_q="ok",
+         kv="fp8_e4m3", scales="ok"),
+    dict(op="paged_attention", seed=11, dtype="float16", batch=2, seq_lens=[21, 9], q_lens=[21, 4], page=4, Hkv=1,
+         group=2, D=16, window=(-1, -1), sinks=0, splits=1, gather=True, table="ok", lens="ok", cu_q="ok",
+         kv="fp8_e5m2", scales="ok"),
+    dict(op="reshape_and_cache", seed=12, dtype="bfloat16", page=4, Hkv=3, D=16, tokens=4, slots="padding",
+         slot_dtype="int64", kv="fp8_e4m3", scales="ok"),
+    *[dict(op="paged_attention", seed=13, dtype="float32", batch=1, seq_lens=[9], q_lens=None, page=4, Hkv=2,
+           group=1, D=16, window=(-1, -1), sinks=0, splits=0, gather=None, table="ok", lens="ok", cu_q="ok",
+           kv="fp8_e4m3", scales=bad) for bad in ("missing", "shape", "zero", "nan", "float64")],
 ]
 
 
