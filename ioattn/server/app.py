@@ -287,7 +287,11 @@ def create_app(spec: EngineSpec, *, served_model_name: str, chat_template: ChatT
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        info = await client.start()
+        try:
+            info = await client.start()
+        except BaseException:
+            await client.stop()
+            raise
         log.info("serving %s as %r%s: %s on %s, tensor parallel %d; KV pool %d blocks x %d tokens = %d tokens, "
                  "%.3g GiB (%s); max_model_len %d; API key %s; engine process pid %d", info.model, served_model_name,
                  f" at {address}" if address else "", info.dtype, info.device, info.tensor_parallel_size,

@@ -143,7 +143,7 @@ class EngineClient:
         self.max_queued_requests = max_queued_requests
         self.restart_engine = restart_engine
         self.on_engine_exit = on_engine_exit
-        self.state = "stopped"  # starting | ready | restarting | failed | stopping | stopped
+        self.state = "created"  # starting | ready | restarting | failed | stopping | stopped
         self.failure: str | None = None  # why the engine is not serving, in words
         self.info: wire.EngineInfo | None = None
         self.process: multiprocessing.Process | None = None
@@ -156,6 +156,8 @@ class EngineClient:
         self._queries: dict[int, asyncio.Future] = {}
         self._ready: asyncio.Future | None = None
         self._start_error: str | None = None
+        self._alive_writer = None
+        self._receiver: asyncio.Task | None = None
         self._encoder = wire.encoder()
         self._decoder = wire.decoder(wire.FromEngine)
 
@@ -164,6 +166,7 @@ class EngineClient:
     async def start(self) -> wire.EngineInfo:
         """Start the engine process; return what it loaded once it is ready (RuntimeError if it fails)."""
         self.loop = asyncio.get_running_loop()
+        self.state = "starting"
         self.addresses = wire.Addresses.create()
         self.context = zmq.asyncio.Context()
         self.to_engine = wire.configure(self.context.socket(zmq.PUSH))
@@ -179,6 +182,8 @@ class EngineClient:
             self.metrics.engine_restarted()
         self._start_error = None
         context = multiprocessing.get_context("spawn")
+        if self._alive_writer is not None:
+            self._alive_writer.close()  # the previous engine process's
         # The engine process reads its end until EOF, which comes only when this process (the one holder of the
         # writing end) has closed it or died: then it exits too.
         watch, self._alive_writer = context.Pipe(duplex=False)
@@ -195,8 +200,9 @@ class EngineClient:
         return self.info
 
     async def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
-        """Fail what is still running, stop the engine process (killing it past `timeout`), release the sockets."""
-        if self.loop is None:
+        """Fail what is still running, stop the engine process (killing it past `timeout`), release the sockets;
+        also after a start that failed."""
+        if self.state in ("created", "stopped"):
             return
         self.state, self.failure = "stopping", "the server is shutting down"
         self._fail_all(EngineFailure("the server is shutting down"))
@@ -210,7 +216,8 @@ class EngineClient:
                 log.warning("the engine process did not stop within %.0f s: killing it", timeout)
                 process.kill()
             process.join()
-        self._alive_writer.close()
+        if self._alive_writer is not None:
+            self._alive_writer.close()
         self._receiver.cancel()
         try:
             await self._receiver
