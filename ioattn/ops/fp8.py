@@ -16,6 +16,8 @@ grid itself before converting, see `ioattn.kernels.cache_ops`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ioattn.ops.capability import device_capability
@@ -56,11 +58,20 @@ def parse_kv_cache_dtype(value) -> torch.dtype | None:
 
 def check_fp8_supported(device: torch.device, name: str = "k_cache") -> None:
     """ValueError unless the device converts fp8 in hardware (CUDA 8.9+), or is the CPU."""
+    problem = fp8_problem(device)
+    if problem is not None:
+        raise ValueError(f"{name}: {problem}")
+
+
+@functools.cache
+def fp8_problem(device: torch.device) -> str | None:
+    """Why `device` cannot hold an fp8 cache, or None (asked once per device: the ops ask on every call)."""
     capability = device_capability(device)
     if capability is not None and capability < FP8_MIN_CAPABILITY:
-        raise ValueError(f"{name}: an fp8 KV cache needs a GPU with fp8 conversions (compute capability "
-                         f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}+, Ada or Hopper); {device} has "
-                         f"{'.'.join(map(str, capability))}")
+        return (f"an fp8 KV cache needs a GPU with fp8 conversions (compute capability "
+                f"{'.'.join(map(str, FP8_MIN_CAPABILITY))}+, Ada or Hopper); {device} has "
+                f"{'.'.join(map(str, capability))}")
+    return None
 
 
 def check_scales(k_cache: torch.Tensor, k_scale, v_scale) -> None:

@@ -185,8 +185,13 @@ class PagedPlan:
 
 def describe_cache(k_cache: torch.Tensor, backend: str, gather: bool) -> str:
     """What a plan says about the cache: its dtype, and for fp8 where the scales go."""
-    name = kv_cache_dtype_name(k_cache.dtype)
-    if not is_fp8(k_cache.dtype):
+    return _cache_words(k_cache.dtype, backend, gather)
+
+
+@functools.cache
+def _cache_words(dtype: torch.dtype, backend: str, gather: bool) -> str:
+    name = kv_cache_dtype_name(dtype)
+    if not is_fp8(dtype):
         return f"{name} KV cache"
     if backend == "torch":
         how = "dequantized (x scale per KV head) as each sequence's keys are gathered"

@@ -280,11 +280,16 @@ def test_fp8_bad_scales_are_refused_naming_the_argument(device):
 
 
 def test_fp8_refused_on_gpus_without_fp8_conversions(monkeypatch):
-    monkeypatch.setattr(fp8_ops, "device_capability", lambda device: (8, 0))
-    with pytest.raises(ValueError, match=r"compute capability 8\.9\+.*has 8\.0"):
-        fp8_ops.check_fp8_supported(torch.device("cuda", 0))
-    monkeypatch.setattr(fp8_ops, "device_capability", lambda device: (9, 0))
-    fp8_ops.check_fp8_supported(torch.device("cuda", 0))
+    device = torch.device("cuda", 7)  # never asked about before: the answer is cached per device
+    try:
+        monkeypatch.setattr(fp8_ops, "device_capability", lambda device: (8, 0))
+        with pytest.raises(ValueError, match=r"kv_cache_dtype: .*compute capability 8\.9\+.*has 8\.0"):
+            fp8_ops.check_fp8_supported(device, "kv_cache_dtype")
+        fp8_ops.fp8_problem.cache_clear()
+        monkeypatch.setattr(fp8_ops, "device_capability", lambda device: (9, 0))
+        fp8_ops.check_fp8_supported(device)
+    finally:
+        fp8_ops.fp8_problem.cache_clear()
 
 
 # -- on the GPU: the hardware conversions, real shapes, graph capture ---------------------------------------------
