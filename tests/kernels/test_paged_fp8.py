@@ -303,9 +303,10 @@ def test_fp8_quantization_bit_exact_on_gpu(fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", FORMATS)
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(32, 8, 128), (9, 3, 64), (28, 4, 256)])
-@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("fp8, heads, kv_heads, head_dim, page", [
+    *[(fp8, h, hkv, d, 16) for fp8 in FORMATS for h, hkv, d in ((32, 8, 128), (9, 3, 64))],
+    (torch.float8_e4m3fn, 28, 4, 256, 256), (torch.float8_e4m3fn, 32, 32, 128, 1),
+])
 def test_fp8_bf16_queries_on_gpu(fp8, heads, kv_heads, head_dim, page):
     seq_lens = [1000, 17, 0, 4096, 513]
     common = dict(page=page, group=heads // kv_heads, kv_heads=kv_heads, head_dim=head_dim, fp8=fp8,

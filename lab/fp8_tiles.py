@@ -1,0 +1,92 @@
+"""Which decode tile suits an fp8 cache? A few configurations of the paged decode kernel over fp8 caches against
+the default (the bf16 tuning), and the bf16 default beside them, at three shapes where B·L >= 64k.
+
+An fp8 tile of 64 keys reads half the bytes of a bf16 one, so fewer bytes are in flight per resident program;
+tiles of 128 keys (the bf16 tile's bytes) or more warps may win back what a 64-key tile leaves idle
+(lab/aot.py --fp8: 64 keys / 4 warps / 128 registers spill 16 bytes; 128 keys need 8 warps not to spill).
+Each variant: per layer over up to 32 cache copies in one CUDA graph (`ioattn.bench.decode`'s hooks), the error
+against float64 on the dequantized cache first (a variant that misses is recorded as wrong and not timed).
+
+    PYTHONPATH=. python3 lab/fp8_tiles.py     # writes $OUT/fp8-tiles-h200.json; on a CPU: toy shapes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from ioattn.bench import harness
+from ioattn.bench.decode import Case, _measure, fp8_inputs, layer_count, paged_decode_runner
+from ioattn.ops.fp8 import dequantize
+from ioattn.ops.paged import PagedConfig
+from ioattn.reference import TOLERANCE, attention_ref, rel_error
+
+CUDA = torch.cuda.is_available()
+SHAPES = [(64, 4096), (8, 32768), (256, 4096)] if CUDA else [(2, 64)]
+HEADS = (32, 8) if CUDA else (4, 2)
+HEAD_DIM = 128 if CUDA else 32
+CONFIGS = [None,  # the default (the bf16 tuning: 64 keys, 4 warps, 2 stages, 128 registers)
+           PagedConfig(block_m=16, block_n=128, num_warps=8, num_stages=2, maxnreg=128),
+           PagedConfig(block_m=16, block_n=128, num_warps=4, num_stages=2, maxnreg=None),
+           PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=3, maxnreg=128),
+           PagedConfig(block_m=16, block_n=64, num_warps=2, num_stages=2, maxnreg=None),
+           PagedConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=128)]
+
+
+def main() -> None:
+    out_dir = Path(os.environ.get("OUT", "/tmp/out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    args = SimpleNamespace(layers=32 if CUDA else 1, layers_gib=8.0, warmup_ms=25.0 if CUDA else 1.0,
+                           rep_ms=100.0 if CUDA else 1.0, device=device)
+    result = {"disclosure": harness.collect_disclosure(device, "PYTHONPATH=. python3 lab/fp8_tiles.py"), "rows": []}
+    for batch, length in SHAPES:
+        case = Case(harness.dtype_name(dtype), batch, *HEADS, length, HEAD_DIM)
+        k = torch.randn(batch, length, HEADS[1], HEAD_DIM, dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        q = torch.randn(batch, HEADS[0], HEAD_DIM, dtype=dtype, device=device)
+        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        k8, v8, k_scale, v_scale = fp8_inputs(k, v, torch.float8_e4m3fn)
+        ref8, _ = attention_ref(q[:1, None], dequantize(k8[:1], k_scale, torch.float64),
+                                dequantize(v8[:1], v_scale, torch.float64))
+        ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
+        trials = [("bf16", None, k, v, None, None, ref, case.kv_bytes)]
+        trials += [("fp8_e4m3", c, k8, v8, k_scale, v_scale, ref8, case.kv_bytes_at(1)) for c in CONFIGS]
+        for name, config, kc, vc, ks, vs, expected, kv_bytes in trials:
+            layers = layer_count(case, args, kv_bytes)
+            row = {"B": batch, "L": length, "heads": f"{HEADS[0]}/{HEADS[1]}", "cache": name, "layers": layers}
+            started = time.monotonic()
+            try:
+                forward, out, plan, restore = paged_decode_runner(case, q, kc, vc, lens, block=16, shuffled=True,
+                                                                  config=config, layers=layers, k_scale=ks,
+                                                                  v_scale=vs)
+                forward()
+                row.update(config=dataclasses.asdict(plan.config), splits=plan.num_splits, error=rel_error(out[0], expected[0, 0]))
+                if row["error"] < TOLERANCE[dtype]:
+                    ms, how = _measure(forward, device, args, layers)
+                    row.update(us=ms * 1e3, tbps=kv_bytes / (ms * 1e-3) / 1e12,
+                               tokens_per_s=batch * length / (ms * 1e-3), used=how)
+                else:
+                    row["status"] = "wrong"
+                del forward
+                restore()
+            except Exception as error:  # noqa: BLE001 - a config that does not build or run is a result too
+                row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
+            row["seconds"] = time.monotonic() - started
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            (out_dir / "fp8-tiles-h200.json").write_text(json.dumps(result, indent=1) + "\n")
+        del k, v, k8, v8
+        if CUDA:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
