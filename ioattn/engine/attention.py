@@ -22,14 +22,15 @@ lengths and slots are checked once on the host, before they reach the device, in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ioattn.engine.transfer import to_device
 from ioattn.engine.kv_scales import KVScales
 from ioattn.ops.cache import copy_blocks, reshape_and_cache, swap_blocks
-from ioattn.ops.checks import checks_contents
+from ioattn.ops import torch_paged
+from ioattn.ops.checks import checks_contents, normalized_window, softmax_scale_or_default
 from ioattn.ops.fp8 import bytes_view, is_fp8, kv_cache_dtype_name
 from ioattn.ops.paged import compile_variants, paged_attention, paged_workspace
 from ioattn.ops.paged_checks import check_slot_contents, check_table_contents
@@ -52,6 +53,8 @@ class StepAttention:
     decode_rows: int = 0
     # The table columns the decode rows and the other rows use.
     table_widths: tuple[int, int] | None = None
+    # torch backend: where the rows read the cache, per window, worked out at the first layer and shared by all.
+    cache_reads: dict[tuple[int, int], torch_paged.CacheReads] = field(default_factory=dict, repr=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self.owner.attend(q, k, v, layer_idx, self)
@@ -193,6 +196,9 @@ class PagedAttention:
         common = dict(causal=True, window_size=window, sink_tokens=self.sink_tokens, backend=self.backend,
                       validate=False, **scales)
         reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False, **scales)
+        if self.backend == "torch" and scales["k_scale"] is None:
+            return torch_paged.attend(q, k_cache, v_cache, self._cache_reads(ctx, window, k_cache),
+                                      softmax_scale_or_default(None, q.shape[-1]))
         if ctx.cu_seqlens_q is None:
             return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,
                                    **common)
@@ -205,6 +211,16 @@ class PagedAttention:
         paged_attention(q[n:], k_cache, v_cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
                         cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, out=out[n:], **common)
         return out
+
+    def _cache_reads(self, ctx: StepAttention, window: tuple[int, int], k_cache) -> torch_paged.CacheReads:
+        """The torch backend's reads for this step and window, built once: every layer of the step shares the
+        tables, so the gathers' indices and masks are not rebuilt per layer."""
+        reads = ctx.cache_reads.get(window)
+        if reads is None:
+            reads = ctx.cache_reads[window] = torch_paged.CacheReads.build(
+                ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q, normalized_window(window, True), self.sink_tokens,
+                k_cache, decode_rows=ctx.decode_rows)
+        return reads
 
     @torch.inference_mode()
     def warm_up(self, num_heads: int, max_tokens: int) -> None:

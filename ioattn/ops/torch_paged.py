@@ -1,13 +1,32 @@
 """The exact torch backend of `ioattn.ops.paged.paged_attention`, for CPU tensors (and anywhere Triton cannot run).
 
-Each sequence's keys are gathered through its block table (evicted entries are never read: their positions are
-invisible to every query, which the contents checks ensure), then the sequence's queries attend under the same
-visibility rule as the kernel: key k is visible to a query at position p iff k <= p + right, and k >= p - left or
-k < sink_tokens. Without LSE the attention is PyTorch's SDPA with that rule as a bool mask (its CPU kernels are
-tiled and exact); with LSE, the tiled float32 online softmax of `ioattn.ops.torch_backend`.
+Visibility is the kernel's: key k is visible to a query at position p iff k < seq_len, k <= p + right, and
+k >= p - left or k < sink_tokens; a key in an evicted block (table entry -1) never is (the contents checks ensure
+that no visible position lies in one).
+
+Where a call's rows read the cache is worked out once from its tables (`CacheReads.build`): the engine's attention
+seam builds it once per step and window, and every layer of the step reuses it, so that a layer costs a few large
+torch ops instead of a few per sequence. Without LSE (`attend`):
+
+- every call attends over its sequence's length rounded up to WIDTH_STEP keys, the keys past the length hidden (a
+  hidden key adds exactly 0): SDPA's rounding depends on the width it is given, and a width that follows from the
+  sequence alone keeps a token's result independent of the rows it is batched with, and the same whether it is a
+  decode or the last token of a chunk (the synchronous and the overlapping engine batch the same tokens
+  differently and agree bit for bit);
+- the one-query rows (decodes, and one-token chunks) attend in one SDPA call per width: their keys gathered by one
+  index_select into a (rows, width, Hkv, D) buffer; a width's rows split into several calls where that buffer
+  would pass GATHER_BYTES;
+- each multi-token sequence attends in an SDPA call of its own, over a view of the cache when its slots are one run
+  (a prompt's blocks usually are), else over gathered keys, under a mask (never SDPA's is_causal: see
+  `_sequence_reads`).
+
+PyTorch's CPU SDPA kernels are tiled and exact; rows that see no key return 0 (SDPA would give NaN). With LSE, each
+sequence goes through the tiled float32 online softmax of `ioattn.ops.torch_backend`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +34,13 @@ import torch.nn.functional as F
 from ioattn.ops import torch_backend
 from ioattn.ops.checks import AttentionInputs
 
-DESCRIPTION = "keys gathered per sequence through its block table, then SDPA (or the tiled torch forward for LSE)"
+DESCRIPTION = ("one-query rows batched into one SDPA call per padded width over keys gathered through their tables; "
+               "each multi-token sequence an SDPA call over a cache view or its gathered keys (the tiled torch "
+               "forward when LSE is asked for)")
+# Largest K (and as large a V) buffer one decode group gathers; a longer batch is split into several groups.
+GATHER_BYTES = 64 << 20
+# Every call attends over its sequence's length rounded up to a multiple of this (see the module docstring).
+WIDTH_STEP = 128
 
 
 def _visible(num_queries: int, seq_len: int, window: tuple[int, int], sink_tokens: int) -> torch.Tensor:
@@ -37,12 +62,187 @@ def context_slots(table_row: torch.Tensor, seq_len: int, page: int) -> tuple[tor
     return blocks.clamp(min=0) * page + positions % page, blocks >= 0
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode rows attending in one SDPA call: `rows` (a slice of the batch, or an index) read `slots` (rows x width
+    flat cache slots, padding slot 0), the keys they may not see hidden by `bias` (rows, 1, 1, width), 0 or -inf
+    (None: every row sees all its width). The bias is what SDPA would make of the bool mask in every call."""
+
+    rows: slice | torch.Tensor
+    width: int
+    slots: torch.Tensor
+    bias: torch.Tensor | None
+    seen: torch.Tensor | None  # (rows,) bool: the row sees some key; None when every row does
+
+
+@dataclass(frozen=True)
+class SequenceReads:
+    """One multi-token sequence: query rows start..end read `keys` (the padded width's range of the flat cache, or
+    its slots) under `bias` (q_len, width) 0 / -inf (None: nothing hidden)."""
+
+    start: int
+    end: int
+    keys: slice | torch.Tensor
+    bias: torch.Tensor | None
+    seen: torch.Tensor | None  # (q_len,) bool; None when every query sees some key
+
+
+@dataclass(frozen=True)
+class CacheReads:
+    """Where every row of one paged call (or one engine step: decode rows first, then packed multi-token rows)
+    reads the cache; build it once, use it for every layer that shares the tables and the window."""
+
+    decode_groups: tuple[DecodeGroup, ...]
+    sequences: tuple[SequenceReads, ...]
+    complete: bool  # every output row is written by a group or a sequence (else the output starts zeroed)
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
+              window: tuple[int, int], sink_tokens: int, k_cache: torch.Tensor,
+              decode_rows: int | None = None) -> CacheReads:
+        """Rows 0..decode_rows-1 of the table are decodes (all of them when cu_seqlens_q is None); cu_seqlens_q
+        (int32, rebased to 0) packs the rows after them. window is normalised (left, right), right -1 unbounded.
+        k_cache gives the geometry (page, token bytes, slots); its contents are not read."""
+        page, num_slots = k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1]
+        row_bytes = k_cache[0, 0].nbytes if k_cache.shape[0] else 0
+        lens = seq_lens.tolist()
+        if decode_rows is None:
+            decode_rows = len(lens) if cu_seqlens_q is None else 0
+        single = [(row, row, lens[row]) for row in range(decode_rows)]  # (table row, output row, seq_len)
+        sequences = []
+        starts = [] if cu_seqlens_q is None else cu_seqlens_q.tolist()
+        for i, seq_len in enumerate(lens[decode_rows:]):
+            start, end = decode_rows + starts[i], decode_rows + starts[i + 1]
+            if end - start == 1:
+                single.append((decode_rows + i, start, seq_len))
+            elif end > start:  # None: a sequence with no keys at all, its rows stay 0
+                sequences.append(_sequence_reads(block_table[decode_rows + i], seq_len, start, end, window,
+                                                 sink_tokens, page, num_slots, k_cache.dtype) if seq_len else None)
+        groups = tuple(_decode_group(block_table, members, window, sink_tokens, page, k_cache.dtype)
+                       for members in _width_groups(single, row_bytes))
+        complete = (all(n for _, _, n in single) and all(s is not None and s.seen is None for s in sequences)
+                    and all(g.seen is None for g in groups))
+        return cls(groups, tuple(s for s in sequences if s is not None), complete)
+
+
+def padded_width(seq_len: int) -> int:
+    """The key width a sequence of this length attends over: rounded up to a multiple of WIDTH_STEP."""
+    return -(-seq_len // WIDTH_STEP) * WIDTH_STEP
+
+
+def _width_groups(single: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """One-query rows by padded width, in their order, each width's rows split where a group's K buffer would pass
+    GATHER_BYTES; rows of length 0 join no group (they see no key)."""
+    by_width: dict[int, list] = {}
+    for member in single:
+        if member[2]:
+            by_width.setdefault(padded_width(member[2]), []).append(member)
+    groups = []
+    for width, members in by_width.items():
+        per_group = max(1, GATHER_BYTES // (width * row_bytes)) if row_bytes else len(members)
+        groups += [members[i:i + per_group] for i in range(0, len(members), per_group)]
+    return groups
+
+
+def _decode_group(block_table, members, window, sink_tokens, page, dtype) -> DecodeGroup:
+    table_rows, out_rows, lens = (list(column) for column in zip(*members))
+    width = padded_width(max(lens))
+    device = block_table.device
+    positions = torch.arange(width)
+    group_lens = torch.tensor(lens)
+    tables = block_table.index_select(0, torch.tensor(table_rows, device=device)).long().cpu()
+    # Columns past a row's table (its padding) read the last column: masked, like every position past seq_len.
+    blocks = tables[:, (positions // page).clamp(max=tables.shape[1] - 1)]
+    present = (positions[None, :] < group_lens[:, None]) & (blocks >= 0)
+    visible = present.clone()
+    query = group_lens[:, None] - 1
+    if window[1] >= 0:
+        visible &= positions[None, :] <= query + window[1]
+    if window[0] >= 0:
+        visible &= (positions[None, :] >= query - window[0]) | (positions[None, :] < sink_tokens)
+    slots = torch.where(present, blocks.clamp(min=0) * page + positions % page, 0)
+    seen = visible.any(dim=1)
+    first = out_rows[0]
+    rows = (slice(first, first + len(out_rows)) if out_rows == list(range(first, first + len(out_rows)))
+            else torch.tensor(out_rows, device=device))
+    return DecodeGroup(rows=rows, width=width, slots=slots.reshape(-1).to(device),
+                       bias=None if bool(visible.all()) else _bias(visible[:, None, None], device, dtype),
+                       seen=None if bool(seen.all()) else seen.to(device))
+
+
+def _bias(visible: torch.Tensor, device, dtype) -> torch.Tensor:
+    """0 where visible, -inf elsewhere, in the cache's dtype: torch 2.13's CPU SDPA misreads a float32 mask on
+    float64 inputs (results off by O(1)); in the inputs' dtype it is exactly what SDPA makes of the bool mask."""
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible.to(device), float("-inf"))
+
+
+def _sequence_reads(table_row, seq_len, start, end, window, sink_tokens, page, num_slots,
+                    dtype) -> SequenceReads:
+    width = padded_width(seq_len)
+    slots, present = context_slots(table_row.cpu(), seq_len, page)
+    visible = torch.zeros(end - start, width, dtype=torch.bool)
+    visible[:, :seq_len] = _visible(end - start, seq_len, window, sink_tokens) & present[None, :]
+    device = table_row.device
+    first = int(slots[0])
+    if bool(present.all()) and bool((slots[1:] - slots[:-1] == 1).all()) and first + width <= num_slots:
+        keys = slice(first, first + width)
+    else:  # padding reads slot 0, hidden
+        keys = torch.cat([torch.where(present, slots, 0), torch.zeros(width - seq_len, dtype=torch.long)]).to(device)
+    seen = visible.any(dim=1)
+    seen = None if bool(seen.all()) else seen.to(device)
+    # Never SDPA's is_causal for a fresh prompt: it cuts each query tile's keys short, so the prompt's tokens would
+    # round otherwise than the same tokens chunked after a prefix-cache hit.
+    return SequenceReads(start, end, keys, None if bool(visible.all()) else _bias(visible, device, dtype), seen)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: CacheReads, scale: float,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q (tokens, Hq, D) over the cache as `reads` says; into `out` when given, else a new tensor."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    result = torch.empty_like(q) if out is None else out
+    if not reads.complete:
+        result.zero_()
+    for group in reads.decode_groups:
+        count = group.slots.numel() // group.width
+        keys, values = (flat.index_select(0, group.slots).view(count, group.width, num_kv_heads, head_dim)
+                        .transpose(1, 2) for flat in (flat_k, flat_v))
+        # (rows, Hq, 1, D) against (rows, Hkv, width, D); GQA through enable_gqa, no copies per query head.
+        queries = q[group.rows].unsqueeze(2)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.bias, scale=scale,
+                                                  enable_gqa=True).squeeze(2)
+        if group.seen is not None:
+            attended = torch.where(group.seen[:, None, None], attended, 0.0)
+        if isinstance(group.rows, slice):
+            result[group.rows] = attended
+        else:
+            result.index_copy_(0, group.rows, attended)
+    for seq in reads.sequences:
+        if isinstance(seq.keys, slice):
+            keys, values = flat_k[seq.keys], flat_v[seq.keys]
+        else:
+            keys, values = flat_k.index_select(0, seq.keys), flat_v.index_select(0, seq.keys)
+        # (1, H, N, D) views
+        attended = F.scaled_dot_product_attention(
+            q[seq.start:seq.end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+            attn_mask=seq.bias, scale=scale, enable_gqa=True)[0].transpose(0, 1)
+        if seq.seen is not None:
+            attended = torch.where(seq.seen[:, None, None], attended, 0.0)
+        result[seq.start:seq.end] = attended
+    return result
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, window, sink_tokens, scale, out,
                     return_lse):
     """Arguments as checked by `ioattn.ops.paged.paged_attention` (window already normalised, causal folded in)."""
+    page = k_cache.shape[1]
+    if not return_lse:
+        reads = CacheReads.build(block_table, seq_lens, cu_seqlens_q, window, sink_tokens, k_cache)
+        return attend(q, k_cache, v_cache, reads, scale, out)
     decode = cu_seqlens_q is None
     num_tokens, num_heads, head_dim = q.shape
-    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     lens = seq_lens.tolist()
     starts = list(range(len(lens) + 1)) if decode else cu_seqlens_q.tolist()
     result = torch.zeros_like(q) if out is None else out.zero_()
@@ -56,17 +256,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, wi
         slots, present = context_slots(block_table[row], seq_len, page)
         keys, values = flat_k.index_select(0, slots), flat_v.index_select(0, slots)
         visible = _visible(end - start, seq_len, window, sink_tokens).to(q.device) & present[None, :]
-        if return_lse:
-            _with_lse(q[start:end], keys, values, visible, scale, result[start:end], lse[start:end])
-        else:
-            # (1, H, N, D) views; GQA through enable_gqa, no copies of K/V per query head.
-            attended = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
-                attn_mask=visible, scale=scale, enable_gqa=True)[0].transpose(0, 1)
-            seen = visible.any(dim=1)  # a row that sees no key returns 0 (SDPA would give NaN)
-            result[start:end] = torch.where(seen[:, None, None], attended, 0.0)
-    if not return_lse:
-        return result
+        _with_lse(q[start:end], keys, values, visible, scale, result[start:end], lse[start:end])
     return result, lse if decode else lse.t()
 
 
