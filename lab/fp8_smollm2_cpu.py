@@ -1,11 +1,15 @@
 """What an FP8 KV cache costs in quality on the real default model (smollm2, SmolLM2-135M-Instruct), on the CPU.
 
 1. Greedy agreement: 32 built-in prompts through the chat template, 64 new tokens each (stopping at EOS), with
-   the cache in the model's dtype (float32 here) and in fp8 (e4m3 calibrated, e4m3 at unit scale 1.0 (what an
-   uncalibrated engine does), e5m2 calibrated): the fraction of the reference's tokens reproduced position by
-   position, how many prompts are identical throughout, and where each first diverges.
+   the cache in the model's dtype (float32 here) and in fp8 (e4m3 calibrated by the engine's rule, e4m3
+   calibrated with the earlier headroom of 1.25, e4m3 at unit scale 1.0 (what an uncalibrated engine does), e5m2
+   calibrated): the fraction of the reference's tokens reproduced position by position, how many prompts are
+   identical throughout, and where each first diverges.
 2. Perplexity of the seeds' text (its first 8192 tokens, the model's context; chunks of 512) through the engine's
    paged path (`ioattn.eval.perplexity`), per cache setting, and its relative change against the model's dtype.
+3. Where the e4m3 loss comes from: the same text through dense attention (no cache) with K and/or V rounded
+   through e4m3 and back (the engine's calibrated scales): K only, V only, both. "Both" is what the fp8 cache
+   computes, so its perplexity against the engine's fp8 row also checks that the paged path adds no error.
 
     PYTHONPATH=. python3 lab/fp8_smollm2_cpu.py [--tokens 8192] [--out bench/results/2026-12-02-fp8-kv-smollm2-cpu]
 
@@ -23,8 +27,10 @@ import warnings
 from pathlib import Path
 
 SEEDS = ["/work/shared/seeds/000_313091f7af3f8cd4.txt", "/work/shared/seeds/003_fac0175204ce1dcf.txt"]
-# (label, kv_cache_dtype, kv_cache_scales)
+# (label, kv_cache_dtype, kv_cache_scales); HEADROOM_125 is replaced by a JSON file of those scales
+HEADROOM_125 = "calibrated, headroom 1.25"
 RUNS = [("auto (float32)", "auto", None), ("fp8_e4m3 calibrated", "fp8_e4m3", None),
+        ("fp8_e4m3 calibrated, headroom 1.25", "fp8_e4m3", HEADROOM_125),
         ("fp8_e4m3 unit scale 1.0", "fp8_e4m3", 1.0), ("fp8_e5m2 calibrated", "fp8_e5m2", None)]
 PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis in two sentences.", "Write a haiku about the sea.",
@@ -70,10 +76,40 @@ def agreement(reference: list[list[int]], tokens: list[list[int]]) -> dict:
             "identical_prompts": sum(d is None for d in divergence), "first_divergence": divergence}
 
 
+def fake_quant_perplexity(loaded, ids, scales, quantize_k: bool, quantize_v: bool) -> float:
+    """Perplexity of `ids` in one dense pass, K and/or V rounded through e4m3 with `scales` (a KVScales)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ioattn.models.llama import DenseCausalAttention
+    from ioattn.ops.fp8 import dequantize, quantize
+
+    fp8 = torch.float8_e4m3fn
+    dense = DenseCausalAttention.build([len(ids)], loaded.config, "cpu", backend="torch")
+
+    class Rounded:
+        def attend(self, q, k, v, layer):
+            if quantize_k:
+                k = dequantize(quantize(k, scales.k[layer], fp8), scales.k[layer], k.dtype)
+            if quantize_v:
+                v = dequantize(quantize(v, scales.v[layer], fp8), scales.v[layer], v.dtype)
+            return dense.attend(q, k, v, layer)
+
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), Rounded())
+        targets = torch.tensor(ids[1:])
+        nll = sum(F.cross_entropy(loaded.model.compute_logits(hidden[i : i + 1024][: len(ids) - 1 - i]),
+                                  targets[i : i + 1024], reduction="sum").item() for i in range(0, len(ids) - 1, 1024))
+    return math.exp(nll / (len(ids) - 1))
+
+
 def main() -> None:
+    import tempfile
+
     import torch
 
     from ioattn.bench.harness import collect_disclosure, markdown_table
+    from ioattn.engine.kv_scales import HEADROOM, calibrate
     from ioattn.eval.perplexity import perplexity
     from ioattn.models.loader import load_model
     from ioattn.server.chat_template import ChatTemplate
@@ -95,8 +131,12 @@ def main() -> None:
                            "perplexity": f"seeds {SEEDS}, first {len(ids)} tokens, chunks of 512, full attention",
                            "torch_threads": torch.get_num_threads()},
               "runs": {}}
+    earlier = calibrate(loaded, torch.float8_e4m3fn, headroom=1.25)
+    earlier_file = Path(tempfile.mkdtemp()) / "headroom-1.25.json"
+    earlier_file.write_text(json.dumps({"k_scale": earlier.k.tolist(), "v_scale": earlier.v.tolist()}))
     reference = None
     for label, dtype, scales in RUNS:
+        scales = str(earlier_file) if scales == HEADROOM_125 else scales
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the unit-scale warning is the point of that run
             tokens, attention, seconds = greedy(loaded, dtype, scales, prompt_ids)
@@ -120,6 +160,13 @@ def main() -> None:
         rows.append([label, scales["source"] if scales else "—", f"{run['perplexity']:.4f}",
                      f"{100 * run['perplexity_delta']:+.3f}%", f"{run['identical_token_fraction']:.4f}",
                      f"{run['identical_prompts']}/{len(PROMPTS)}", ", ".join(map(str, diverged)) or "—"])
+    calibrated = calibrate(loaded, torch.float8_e4m3fn)
+    breakdown = {}
+    for label, k, v in (("K and V", True, True), ("K only", True, False), ("V only", False, True)):
+        breakdown[label] = fake_quant_perplexity(loaded, ids, calibrated, k, v)
+        print(f"dense, e4m3 round trip of {label}: perplexity {breakdown[label]:.4f}", flush=True)
+    breakdown["none (float32)"] = fake_quant_perplexity(loaded, ids, calibrated, False, False)
+    result["dense_e4m3_round_trip"] = breakdown
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
     d = result["disclosure"]
     md = [f"# FP8 KV cache on smollm2 (CPU): quality against the float32 cache", "",
@@ -130,11 +177,17 @@ def main() -> None:
           f"- greedy: {result['settings']['greedy']}; perplexity: first {len(ids)} tokens of the seeds' two texts "
           "(chunks of 512, the engine's paged path)",
           "- scales: calibrated = a start-up pass over 8 built-in passages (not the seeds' text), "
-          "2^ceil(log2(amax x 1.25 / max)) per (layer, KV head); unit = 1.0 everywhere (asked for; it warns)", "",
+          f"2^ceil(log2(amax x {HEADROOM:g} / max)) per (layer, KV head) (headroom 1.25: the rule before, under "
+          "which the seeds' V outran two heads' range); unit = 1.0 everywhere (asked for; it warns)", "",
           markdown_table(["KV cache", "scales", "perplexity", "Δ vs float32", "identical tokens", "identical prompts",
                           "first divergence (token index, diverged prompts)"], rows), "",
           "Identical tokens: the fraction of the float32 run's generated tokens that the run reproduces at the same "
-          "position (after a divergence the continuations differ, so this counts mostly the tokens before it).", ""]
+          "position (after a divergence the continuations differ, so this counts mostly the tokens before it).", "",
+          "Dense attention over the same 8192 tokens (no cache, one pass), K / V rounded through e4m3 with the "
+          "calibrated scales:", "",
+          markdown_table(["rounded", "perplexity", "Δ vs float32"],
+                         [[label, f"{ppl:.4f}", f"{100 * (ppl / breakdown['none (float32)'] - 1):+.3f}%"]
+                          for label, ppl in breakdown.items()]), ""]
     Path(args.out + ".md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -43,6 +43,7 @@ import torch
 
 from ioattn.bench import harness
 from ioattn.bench.harness import Row
+from ioattn.engine.kv_scales import HEADROOM as FP8_HEADROOM  # the engine's calibration rule
 from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize, scale_for_amax
 from ioattn.ops.paged import candidate_configs, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
@@ -51,7 +52,6 @@ SDPA_PEERS = {"torch-flash": "FLASH_ATTENTION", "torch-efficient": "EFFICIENT_AT
               "torch-cudnn": "CUDNN_ATTENTION"}
 BACKENDS = ("ioattn-paged", "ioattn-contiguous", *SDPA_PEERS, "flex")
 FP8_BACKEND = "ioattn-paged-fp8"  # with --kv-cache-dtype fp8_*
-FP8_HEADROOM = 1.25  # the engine's calibration rule (ioattn.engine.kv_scales)
 # The issue's bar for the fp8 row, where B·L >= BAR_TOKENS: rate over bf16 ioattn-paged and over torch CUDNN.
 BAR_TOKENS = 65536
 BAR = {"ioattn-paged": 1.7, "torch-cudnn": 1.6}

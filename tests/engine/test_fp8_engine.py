@@ -76,7 +76,7 @@ def test_calibration_rule_is_a_power_of_two_above_amax(tiny):
         assert s.shape == (tiny.config.num_layers, tiny.config.num_kv_heads)
         exponents = torch.log2(s)
         assert torch.equal(exponents, exponents.round())  # powers of two: dequantization is exact
-    # Recompute amax the same way the pass does: 448 / (2 x 1.25) < amax / scale <= 448 / 1.25.
+    # Recompute amax the same way the pass does: 448 / (2 x HEADROOM) < amax / scale <= 448 / HEADROOM.
     from ioattn.engine.kv_scales import _Recorder, calibration_tokens
     from ioattn.models.llama import DenseCausalAttention
 
