@@ -39,7 +39,10 @@ def _contiguous_copy(t: torch.Tensor) -> torch.Tensor:
 def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fill out / lse following the plan."""
     if plan.backend == "torch":
-        torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
+        if plan.torch_tiles is None:
+            torch_backend.sdpa_forward(inputs, out, lse)
+        else:
+            torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
     if plan.upcast:
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)
@@ -142,8 +145,9 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
     LSE -inf. Returns out (B, Nq, Hq, D), or (out, lse) with lse float32 natural log (B, Hq, Nq) when
     return_lse=True (not differentiable). Differentiable in q, k, v; deterministic: True for a bitwise
     reproducible backward (no atomics; see the module docstring for the cost), None for IOATTN_DETERMINISTIC=1
-    or torch.are_deterministic_algorithms_enabled(). backend: "auto" (Triton on CUDA, exact tiled torch on
-    CPU), "triton" or "torch".
+    or torch.are_deterministic_algorithms_enabled(). backend: "auto" (Triton on CUDA, the torch backend on
+    CPU: torch's CPU SDPA kernel where it is exact, else the tiled torch forward; `explain` says which), "triton"
+    or "torch".
     """
     checks.check_backend(backend)
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)

@@ -1,6 +1,8 @@
 """Backend selection, the tuned tile table, and the diagnostics that make every choice visible.
 
-backend="auto" picks the Triton kernel for CUDA tensors and the exact tiled torch path for CPU tensors.
+backend="auto" picks the Triton kernel for CUDA tensors and the torch backend for CPU tensors: torch's own CPU SDPA
+kernel where its semantics match exactly, else the exact tiled torch forward (`ioattn.ops.torch_backend` says which
+calls take which; the plan's kernel and reason name the one chosen and why).
 On CUDA nothing falls back silently: an input the Triton kernel cannot take raises. `explain(q, k, v, ...)`
 returns the plan (kernel, tile configuration, backend, copies, reason) without running anything, and
 IOATTN_LOG=1 logs each distinct plan once (logger "ioattn"). The plan covers the backward too: its kernel,
@@ -26,6 +28,7 @@ logger = logging.getLogger("ioattn")
 
 TRITON_KERNEL = "ioattn.kernels.prefill_fwd.prefill_fwd_kernel"
 TORCH_KERNEL = "ioattn.ops.torch_backend.attention_forward"
+TORCH_SDPA_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu (torch's CPU SDPA, via torch_backend.sdpa_forward)"
 TRITON_BWD_KERNEL = ("ioattn.kernels.prefill_bwd.attention_bwd_dq_kernel (with the row statistics), then "
                      "attention_bwd_dkdv_kernel (launched by ioattn.ops.backward.attention_bwd)")
 TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
@@ -39,7 +42,7 @@ class Plan:
     problem: FwdProblem
     copies: tuple[tuple[str, str], ...]  # (input name, why) for inputs copied to contiguous before the kernel
     reason: str
-    torch_tiles: tuple[int, int] | None = None  # (block_m, block_n) of the torch backend
+    torch_tiles: tuple[int, int] | None = None  # (block_m, block_n) of the tiled torch forward (None: torch's SDPA)
     bwd_kernel: str = ""
     bwd_config: BwdConfig | None = None  # Triton backward tiles (None for the torch backend)
     deterministic: bool = False  # the backward avoids atomics and is bitwise reproducible
@@ -49,8 +52,10 @@ class Plan:
     def __str__(self) -> str:
         if self.config is not None:
             tiles = str(self.config)
-        else:
+        elif self.torch_tiles is not None:
             tiles = f"BLOCK_M={self.torch_tiles[0]} BLOCK_N={self.torch_tiles[1]}"
+        else:
+            tiles = "chosen by torch's CPU SDPA kernel"
         p = self.problem
         lines = [
             f"backend: {self.backend}",
@@ -131,9 +136,14 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
     if backend == "torch":
         problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, inputs.bottom_right,
                              "ieee", False)
-        return Plan("torch", TORCH_KERNEL, None, problem, (), why + "; exact tiled torch forward",
-                    (torch_backend.DEFAULT_BLOCK_M, torch_backend.DEFAULT_BLOCK_N), bwd_kernel=TORCH_BWD_KERNEL,
-                    deterministic=True)
+        mismatch = torch_backend.sdpa_mismatch(inputs)
+        if mismatch is None:
+            return Plan("torch", TORCH_SDPA_KERNEL, None, problem, (),
+                        f"{why}; torch's CPU SDPA kernel, exact here ({torch_backend.sdpa_case(inputs)}; LSE from it)",
+                        bwd_kernel=TORCH_BWD_KERNEL, deterministic=True)
+        return Plan("torch", TORCH_KERNEL, None, problem, (), f"{why}; exact tiled torch forward (not torch's "
+                    f"SDPA: {mismatch})", (torch_backend.DEFAULT_BLOCK_M, torch_backend.DEFAULT_BLOCK_N),
+                    bwd_kernel=TORCH_BWD_KERNEL, deterministic=True)
     if q.device.type != "cuda" and not interpreted():
         raise ValueError(f"backend='triton' needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import")
     batch = inputs.cu_seqlens_q.numel() - 1 if inputs.varlen else q.shape[0]

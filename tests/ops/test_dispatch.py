@@ -17,12 +17,16 @@ def qkv(n_q=8, n_k=8, h_q=2, h_kv=2, d=16, dtype=torch.float32):
 
 
 def test_auto_on_cpu_is_the_torch_backend():
-    plan = ioattn.explain(*qkv(), causal=True)
-    assert plan.backend == "torch" and plan.kernel == dispatch.TORCH_KERNEL and plan.config is None
+    plan = ioattn.explain(*qkv(), causal=True)  # causal: torch's own CPU SDPA kernel
+    assert plan.backend == "torch" and plan.kernel == dispatch.TORCH_SDPA_KERNEL and plan.config is None
     text = str(plan)
-    for words in ("backend: torch", "attention_forward", "BLOCK_M=256", "auto: cpu tensors", "align=bottom-right",
-                  "window=(-1, 0)", "no copy"):
+    for words in ("backend: torch", "_scaled_dot_product_flash_attention_for_cpu", "chosen by torch's CPU SDPA",
+                  "auto: cpu tensors", "is_causal", "align=bottom-right", "window=(-1, 0)", "no copy"):
         assert words in text, text
+    plan = ioattn.explain(*qkv(), window_size=(3, 0))  # a sliding window: the tiled forward, and why
+    assert plan.kernel == dispatch.TORCH_KERNEL
+    for words in ("attention_forward", "BLOCK_M=256", "not torch's SDPA: sliding window (3, 0)"):
+        assert words in str(plan), str(plan)
 
 
 def test_triton_on_cpu_runs_the_interpreter():
