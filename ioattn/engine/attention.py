@@ -196,9 +196,9 @@ class PagedAttention:
         common = dict(causal=True, window_size=window, sink_tokens=self.sink_tokens, backend=self.backend,
                       validate=False, **scales)
         reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False, **scales)
-        if self.backend == "torch" and scales["k_scale"] is None:
+        if self.backend == "torch":
             return torch_paged.attend(q, k_cache, v_cache, self._cache_reads(ctx, window, k_cache),
-                                      softmax_scale_or_default(None, q.shape[-1]))
+                                      softmax_scale_or_default(None, q.shape[-1]), **scales)
         if ctx.cu_seqlens_q is None:
             return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,
                                    **common)
@@ -219,7 +219,7 @@ class PagedAttention:
         if reads is None:
             reads = ctx.cache_reads[window] = torch_paged.CacheReads.build(
                 ctx.block_table, ctx.seq_lens, ctx.cu_seqlens_q, normalized_window(window, True), self.sink_tokens,
-                k_cache, decode_rows=ctx.decode_rows)
+                k_cache, decode_rows=ctx.decode_rows, dtype=self.dtype)
         return reads
 
     @torch.inference_mode()

@@ -32,7 +32,7 @@ from ioattn.ops import torch_paged
 from ioattn.ops.cache import gather_cache, resolve_backend
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
 from ioattn.ops.fp8 import (
-    check_fp8_supported, check_scale_values, check_scales, dequantize, is_fp8, kv_cache_dtype_name,
+    check_fp8_supported, check_scale_values, check_scales, is_fp8, kv_cache_dtype_name,
 )
 from ioattn.ops.checks import (
     SUPPORTED_DTYPES, check_cu_seqlens, check_heads, check_max_seqlen, check_tensor, checks_contents,
@@ -383,10 +383,8 @@ def paged_attention(
                                 sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
                                 backend=backend)
     if plan.backend == "torch":
-        if fp8:  # dequantized copies: the torch path gathers from caches in q's dtype
-            k_cache, v_cache = (dequantize(c, s, q.dtype) for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
         return torch_paged.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, (left, right),
-                                           sink_tokens, scale, out, return_lse)
+                                           sink_tokens, scale, out, return_lse, k_scale, v_scale)
     if interpreter_upcast(q.dtype):  # the interpreter's bf16 dots are wrong: compute on float32 copies
         k_up, v_up = (k_cache, v_cache) if fp8 else (k_cache.float(), v_cache.float())
         result = paged_attention(

@@ -21,7 +21,8 @@ torch ops instead of a few per sequence. Without LSE (`attend`):
   `_sequence_reads`).
 
 PyTorch's CPU SDPA kernels are tiled and exact; rows that see no key return 0 (SDPA would give NaN). With LSE, each
-sequence goes through the tiled float32 online softmax of `ioattn.ops.torch_backend`.
+sequence goes through the tiled float32 online softmax of `ioattn.ops.torch_backend`. An fp8 cache (`k_scale`,
+`v_scale` given) is dequantized into the queries' dtype as its keys are gathered (`ioattn.ops.fp8`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from ioattn.ops import torch_backend
 from ioattn.ops.checks import AttentionInputs
+from ioattn.ops.fp8 import dequantize
 
 DESCRIPTION = ("one-query rows batched into one SDPA call per padded width over keys gathered through their tables; "
                "each multi-token sequence an SDPA call over a cache view or its gathered keys (the tiled torch "
@@ -99,12 +101,14 @@ class CacheReads:
     @classmethod
     def build(cls, block_table: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None,
               window: tuple[int, int], sink_tokens: int, k_cache: torch.Tensor,
-              decode_rows: int | None = None) -> CacheReads:
+              decode_rows: int | None = None, dtype: torch.dtype | None = None) -> CacheReads:
         """Rows 0..decode_rows-1 of the table are decodes (all of them when cu_seqlens_q is None); cu_seqlens_q
         (int32, rebased to 0) packs the rows after them. window is normalised (left, right), right -1 unbounded.
-        k_cache gives the geometry (page, token bytes, slots); its contents are not read."""
+        k_cache gives the geometry (page, token bytes, slots); its contents are not read. dtype: the queries'
+        (default the cache's; an fp8 cache's keys are gathered in it)."""
+        dtype = dtype or k_cache.dtype
         page, num_slots = k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1]
-        row_bytes = k_cache[0, 0].nbytes if k_cache.shape[0] else 0
+        row_bytes = k_cache[0, 0].numel() * dtype.itemsize if k_cache.shape[0] else 0
         lens = seq_lens.tolist()
         if decode_rows is None:
             decode_rows = len(lens) if cu_seqlens_q is None else 0
@@ -117,8 +121,8 @@ class CacheReads:
                 single.append((decode_rows + i, start, seq_len))
             elif end > start:  # None: a sequence with no keys at all, its rows stay 0
                 sequences.append(_sequence_reads(block_table[decode_rows + i], seq_len, start, end, window,
-                                                 sink_tokens, page, num_slots, k_cache.dtype) if seq_len else None)
-        groups = tuple(_decode_group(block_table, members, window, sink_tokens, page, k_cache.dtype)
+                                                 sink_tokens, page, num_slots, dtype) if seq_len else None)
+        groups = tuple(_decode_group(block_table, members, window, sink_tokens, page, dtype)
                        for members in _width_groups(single, row_bytes))
         complete = (all(n for _, _, n in single) and all(s is not None and s.seen is None for s in sequences)
                     and all(g.seen is None for g in groups))
@@ -196,11 +200,12 @@ def _sequence_reads(table_row, seq_len, start, end, window, sink_tokens, page, n
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: CacheReads, scale: float,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q (tokens, Hq, D) over the cache as `reads` says; into `out` when given, else a new tensor."""
+           out: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q (tokens, Hq, D) over the cache as `reads` says; into `out` when given, else a new tensor.
+    k_scale / v_scale: an fp8 cache's (the reads built with dtype=q.dtype)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = _Gathered(k_cache, k_scale, q.dtype), _Gathered(v_cache, v_scale, q.dtype)
     result = torch.empty_like(q) if out is None else out
     if not reads.complete:
         result.zero_()
@@ -233,13 +238,30 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads:
     return result
 
 
+class _Gathered:
+    """One cache's rows as `attend` reads them (flat (slots, Hkv, D)): slices and index_selects, dequantized
+    into `dtype` when the cache is fp8 (a scale given)."""
+
+    def __init__(self, cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
+        self.flat, self.scale, self.dtype = cache.view(-1, *cache.shape[2:]), scale, dtype
+
+    def _out(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.scale is None else dequantize(rows, self.scale, self.dtype)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return self._out(self.flat[rows])
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        return self._out(self.flat.index_select(dim, index))
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, window, sink_tokens, scale, out,
-                    return_lse):
+                    return_lse, k_scale=None, v_scale=None):
     """Arguments as checked by `ioattn.ops.paged.paged_attention` (window already normalised, causal folded in)."""
     page = k_cache.shape[1]
     if not return_lse:
-        reads = CacheReads.build(block_table, seq_lens, cu_seqlens_q, window, sink_tokens, k_cache)
-        return attend(q, k_cache, v_cache, reads, scale, out)
+        reads = CacheReads.build(block_table, seq_lens, cu_seqlens_q, window, sink_tokens, k_cache, dtype=q.dtype)
+        return attend(q, k_cache, v_cache, reads, scale, out, k_scale, v_scale)
     decode = cu_seqlens_q is None
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -247,8 +269,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, wi
     starts = list(range(len(lens) + 1)) if decode else cu_seqlens_q.tolist()
     result = torch.zeros_like(q) if out is None else out.zero_()
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k, flat_v = _Gathered(k_cache, k_scale, q.dtype), _Gathered(v_cache, v_scale, q.dtype)
     for row, seq_len in enumerate(lens):
         start, end = starts[row], starts[row + 1]
         if start == end or seq_len == 0:
