@@ -206,6 +206,8 @@ class EngineClient:
             return
         self.state, self.failure = "stopping", "the server is shutting down"
         self._fail_all(EngineFailure("the server is shutting down"))
+        if self._ready is not None and not self._ready.done():  # a restart under way: it ends here
+            self._ready.set_exception(EngineFailure("the server is shutting down"))
         process = self.process
         if process is not None and process.exitcode is None:
             self.to_engine.send(self._encoder.encode(wire.Shutdown()))
@@ -251,6 +253,8 @@ class EngineClient:
             try:
                 await self._launch("restarting")
             except Exception as error:  # noqa: BLE001 (a restart that fails ends the server like a death does)
+                if self.state == "stopping":
+                    return
                 log.error("the engine process could not restart: %s", error)
                 self.state, self.failure = "failed", f"{why}, and could not restart: {error}"
             else:

@@ -44,6 +44,10 @@ class RequestText:
                     break
             if sample.finish_reason is not None and not checker.finished:
                 self.ended[sample.index] = (sample.finish_reason, sample.stop_reason)
+        if delta.finished:  # the engine is done with every sample, whatever this side made of them
+            for index in range(len(self.checkers)):
+                if not self._ended(index):
+                    self.ended[index] = ("abort", None)
         metrics = self.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = delta.first_token_time

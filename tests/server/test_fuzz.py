@@ -57,6 +57,7 @@ COMMON_FIELDS = {
     "stop_token_ids": TOKEN_IDS,
     "include_stop_str_in_output": st.booleans(),
     "skip_special_tokens": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
     "logit_bias": st.one_of(st.just({}), st.dictionaries(TEXT, st.floats(), max_size=2)),
 }
 COMPLETION_FIELDS = {
