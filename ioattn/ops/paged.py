@@ -88,11 +88,11 @@ def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, dec
     cache_dtype fp8: decode tiles up to twice as many keys (the same bytes per tile as 16-bit caches)."""
     stage_options = (1, 2, 3, 4)
     if decode:
-        tile_elements = 32768 if cache_dtype is not None and is_fp8(cache_dtype) else 16384
+        fp8 = cache_dtype is not None and is_fp8(cache_dtype)
         return [
             PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=s, maxnreg=r)
-            for n in (16, 32, 64, 128, 256) for w in (2, 4, 8) for s in stage_options for r in (None, 96, 128)
-            if n * head_dim <= tile_elements
+            for n in ((16, 32, 64, 128, 256) if fp8 else (16, 32, 64, 128)) for w in (2, 4, 8)
+            for s in stage_options for r in (None, 96, 128) if n * head_dim <= (32768 if fp8 else 16384)
         ]
     return [
         PagedConfig(block_m=m, block_n=n, num_warps=w, num_stages=s, maxnreg=r)

@@ -28,6 +28,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(20 + 5 * i)] for i in range(4)]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread: the CPU path's many small ops run faster alone on shared cores (as tests/test_eval.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny", dtype="float32", device="cpu")
