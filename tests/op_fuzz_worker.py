@@ -321,7 +321,7 @@ def run_cache_write(case, device):
     slots = slot_mapping.long().cpu()  # as passed (a cast to int32 may have wrapped it)
     keep = slots >= 0
     if fp8 is not None:  # bit for bit: the quantized values, never NaN from finite ones
-        written = k_cache.reshape(-1, hkv, d)[slots[keep].to(device)]
+        written = k_cache.view(torch.uint8).reshape(-1, hkv, d)[slots[keep].to(device)].view(fp8)
         expected = quantize(key[keep.to(device)], true_scales[0], fp8)
         if not torch.equal(written.view(torch.uint8), expected.view(torch.uint8)) or written.float().isnan().any():
             return "fp8 k_cache differs from the saturating round-to-nearest-even quantization"
@@ -344,7 +344,7 @@ def run_block_copy(case, device):
         ioattn.copy_blocks(caches[:1], caches[1:], mapping.to(device))
         for c in expected:
             c[mapping[:, 1]] = c[mapping[:, 0]]
-        return _compare("caches", torch.stack(caches).float(), torch.stack(expected).float(), torch.float32)
+        return _compare("caches", torch.stack([c.float() for c in caches]), torch.stack(expected), torch.float32)
     dst = torch.zeros(3, 2, 1, 8, device=device, dtype=caches[0].dtype)
     ioattn.swap_blocks(caches[0], dst, mapping)
     want = torch.zeros_like(dst, dtype=torch.float32)

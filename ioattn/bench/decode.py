@@ -44,7 +44,7 @@ import torch
 from ioattn.bench import harness
 from ioattn.bench.harness import Row
 from ioattn.engine.kv_scales import HEADROOM as FP8_HEADROOM  # the engine's calibration rule
-from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize, scale_for_amax
+from ioattn.ops.fp8 import KV_CACHE_DTYPES, bytes_view, dequantize, quantize, scale_for_amax
 from ioattn.ops.paged import candidate_configs, paged_attention, paged_workspace, plan_paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
@@ -167,11 +167,11 @@ def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool
     k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     table = _block_table(case.batch, blocks, shuffled, q.device)
-    if shuffled:  # the same logical cache, its blocks scattered through the pool
+    if shuffled:  # the same logical cache, its blocks scattered through the pool (fp8 moved as bytes)
         inverse = torch.empty_like(table.view(-1))
         inverse[table.view(-1).long()] = torch.arange(table.numel(), dtype=torch.int32, device=q.device)
-        k_cache.copy_(k_cache[inverse.long()])
-        v_cache.copy_(v_cache[inverse.long()])
+        for cache in (bytes_view(k_cache), bytes_view(v_cache)):
+            cache.copy_(cache[inverse.long()])
     plan = plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=num_splits, config=config)
     workspace = paged_workspace(case.batch, case.heads_q, case.head_dim, max_splits=plan.num_splits, device=q.device)
     out = torch.empty_like(q)
@@ -185,8 +185,8 @@ def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool
 
     def restore():  # undo the scatter so later backends see the contiguous cache again
         if shuffled:
-            k_cache.copy_(k_cache[table.view(-1).long()])
-            v_cache.copy_(v_cache[table.view(-1).long()])
+            for cache in (bytes_view(k_cache), bytes_view(v_cache)):
+                cache.copy_(cache[table.view(-1).long()])
 
     return forward, out, plan, restore
 

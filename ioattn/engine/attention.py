@@ -160,8 +160,9 @@ class PagedAttention:
         """(layers, 2, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V in the cache's dtype (prefix
         export)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                            for k, v in zip(self.k_caches, self.v_caches)])
+        kv = torch.stack([torch.stack([bytes_view(k).index_select(0, index), bytes_view(v).index_select(0, index)])
+                          for k, v in zip(self.k_caches, self.v_caches)])
+        return kv.view(self.cache_dtype)  # an fp8 cache's blocks gathered as bytes
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """The reverse of `read_blocks`: kv[:, :, i] lands in block blocks[i] of every layer (prefix import). An fp8
