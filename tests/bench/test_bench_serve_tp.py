@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ioattn.bench import serve, workload
+from ioattn.bench import serve, serve_online, workload
 
 WORKLOAD = ["--model", "tiny", "--dtype", "float32", "--max-model-len", "128", "--num-requests", "4"]
 RATIO_KEYS = {"output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"}
@@ -79,9 +79,9 @@ def test_offline_at_tp2_with_the_decode_step(tmp_path):
 def test_launch_forwards_tp_to_the_server():
     args = argparse.Namespace(dtype="auto", max_num_seqs=8, gpu_memory_utilization=0.5, max_model_len=None,
                               num_blocks=None, device=None, tp=[2])
-    flags = serve._engine_flags(args)
+    flags = serve_online._engine_flags(args)
     assert flags[flags.index("--tp") + 1] == "2"
-    assert "--tp" not in serve._engine_flags(argparse.Namespace(**{**vars(args), "tp": [1]}))
+    assert "--tp" not in serve_online._engine_flags(argparse.Namespace(**{**vars(args), "tp": [1]}))
 
 
 def test_arrival_offsets():
