@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     engine.add_argument("--num-blocks", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=256)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+                        help="the engine's KV cache: the model's dtype, or fp8 (twice the tokens per pool byte)")
     engine.add_argument("--no-async-scheduling", action="store_true",
                         help="finish each engine step on the host before scheduling the next (default: overlap)")
     engine.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server")
@@ -256,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--disagg runs one process per side: it takes no --tp")
     if args.decode_batch < 0:
         parser.error("--decode-batch must be >= 0")
+    if args.decode_batch > args.max_num_seqs:
+        parser.error(f"--decode-batch ({args.decode_batch}) must be <= --max-num-seqs ({args.max_num_seqs}); "
+                     "0 skips the decode step")
     if args.url and args.launch:
         parser.error("--url and --launch are exclusive")
     if len(args.output_len) == 1:

@@ -12,6 +12,12 @@ Systems (`--compare`, any of them, run one after the other so they never share t
   `max_new_tokens`; EOS is disabled (`eos_token_id=-1`, i.e. ignore_eos). On a CPU, transformers can only size its
   cache through psutil, and would take 90% of the free RAM: the bench then gives it an explicit cache that holds
   the whole workload at once and says so.
+- `hf-generate`: transformers' plain `generate` on the model transformers loads itself from the same file as ours
+  (`from_pretrained(folder, gguf_file=name)` for a GGUF, the folder for a checkpoint; a random-weight preset gets
+  the `hf` twin), in the same dtype: static batches of up to `--max-num-seqs` requests in their order, left-padded
+  with the attention mask, each batch run to its longest output with EOS disabled; a request's tokens are counted
+  up to its own length and timed by its batch's steps. The peer the CPU bar compares with (>= 1.5x, at the same
+  `torch.get_num_threads()`, which a CPU run reports).
 
 Every system first runs a warm-up workload (`WARMUP_REQUESTS` other random prompts of the same length range, a few
 output tokens each: it compiles every Triton specialization and torch path the real run will take, without
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 import random
 import statistics
 import time
@@ -55,7 +62,7 @@ import torch
 
 from ioattn.bench.workload import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, make_workload, summarize
 
-SYSTEMS = ("ioattn", "static", "hf")
+SYSTEMS = ("ioattn", "static", "hf", "hf-generate")
 # Timed engine steps for the batch-B decode measurement, after as many untimed ones.
 DECODE_STEPS = 20
 WARMUP_REQUESTS = 32
@@ -385,6 +392,96 @@ def _hf_outputs(manager, work: list[WorkItem], prefix: str) -> dict:
     return outputs
 
 
+def run_hf_generate(work: list[WorkItem], warmup: list[WorkItem], args) -> dict:
+    """The workload through transformers' `generate`: static batches of up to max_num_seqs requests in their order
+    (left-padded, attention_mask given), each run to its longest output (EOS disabled), on a model transformers
+    loads from the same file as ours (`_generate_model`); {"status": why} when it cannot run."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        model, source = _generate_model(args, device)
+    except Exception as error:  # noqa: BLE001 — a peer that cannot run is reported, not fatal
+        return {"status": f"unsupported: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"}
+    try:
+        _generate_batches(model, warmup, args, time.perf_counter())
+        start = time.perf_counter()
+        results, first_tokens = _generate_batches(model, work, args, start)
+        duration = time.perf_counter() - start
+        attention = model.config._attn_implementation
+    finally:
+        del model
+        release_device()
+    return {**summarize(results, duration), "attention": f"{attention}; {source}",
+            "cache": f"DynamicCache; static batches of up to {args.max_num_seqs} requests, left-padded",
+            "first_tokens": first_tokens}
+
+
+def _generate_model(args, device: torch.device):
+    """(model, how it was loaded): transformers' own loading of our model's file, a GGUF (a packaged preset or a
+    path, `from_pretrained(folder, gguf_file=name)`) or a checkpoint folder, in the dtype ours resolves; a
+    random-weight preset has no file, so it gets `hf_twin` (a copy of our weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from ioattn.models.checkpoint import resolve_dtype
+    from ioattn.models.config import ModelConfig
+    from ioattn.models.gguf import GGUFFile, read_config
+    from ioattn.models.loader import load_model
+    from ioattn.models.presets import PRESETS, PackagedGGUF
+
+    name = args.model
+    preset = PRESETS.get(name) if not os.path.exists(name) else None
+    if isinstance(preset, PackagedGGUF):
+        name = preset.path()
+    elif preset is not None:
+        return hf_twin(load_model(name, dtype=args.dtype, device=device)), "a copy of our random weights (hf_twin)"
+    if os.path.isfile(name):
+        folder, file = os.path.split(os.path.abspath(name))
+        dtype = resolve_dtype(args.dtype, read_config(GGUFFile(name)), device)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype)
+        how = f"from_pretrained(gguf_file={file!r}), {dtype}"
+    else:
+        dtype = resolve_dtype(args.dtype, ModelConfig.from_json(name), device)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        how = f"from_pretrained(checkpoint folder), {dtype}"
+    return model.to(device).eval(), how
+
+
+def _generate_batches(model, work: list[WorkItem], args, start: float) -> tuple[list[Result], list[int | None]]:
+    """Every request through `generate`, batch after batch; a request's tokens arrive with its batch's steps (each
+    step's time taken by a stopping criterion that never stops), from `start`, when all requests arrived."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepTimes(StoppingCriteria):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    device = model.device
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": None, "top_p": 1.0} \
+        if args.temperature > 0 else {"do_sample": False}
+    results, first_tokens = [], []
+    for offset in range(0, len(work), args.max_num_seqs):
+        batch = work[offset:offset + args.max_num_seqs]
+        width = max(len(w.prompt_token_ids) for w in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for row, item in enumerate(batch):
+            ids[row, width - len(item.prompt_token_ids):] = torch.tensor(item.prompt_token_ids)
+            mask[row, width - len(item.prompt_token_ids):] = 1
+        steps = StepTimes()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), pad_token_id=0,
+                                 max_new_tokens=max(w.output_len for w in batch), eos_token_id=-1,
+                                 stopping_criteria=StoppingCriteriaList([steps]), **sampling)
+        for row, item in enumerate(batch):
+            results.append(Result(True, ttft=steps.times[0] - start, latency=steps.times[item.output_len - 1] - start,
+                                  output_tokens=item.output_len))
+            first_tokens.append(int(out[row, width]))
+    return results, first_tokens
+
+
 # -- all of them -----------------------------------------------------------------------------------------------
 
 
@@ -403,6 +500,8 @@ def run_systems(work: list[WorkItem], args, systems: list[str]) -> dict:
     for name in systems:
         if name == "hf":
             out["systems"][name] = run_hf(work, warmup, args)
+        elif name == "hf-generate":
+            out["systems"][name] = run_hf_generate(work, warmup, args)
         else:
             decode_batch = args.decode_batch if name == "ioattn" else 0
             out["systems"][name] = run_ioattn(work, warmup, args, "continuous" if name == "ioattn" else "static",
@@ -412,12 +511,18 @@ def run_systems(work: list[WorkItem], args, systems: list[str]) -> dict:
         out["decode_step"] = ours.pop("decode_step")
         add_roofline(out["decode_step"], copy_tbps)
     first_tokens = {name: result.pop("first_tokens", None) for name, result in out["systems"].items()}
-    for peer in ("hf", "static"):
+    for peer in ("hf", "hf-generate", "static"):
         theirs = out["systems"].get(peer, {})
         if ours.get("output_tokens_per_s") and theirs.get("output_tokens_per_s"):
             out[f"ioattn_over_{peer}"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
         if args.temperature == 0:
             _add_agreement(theirs, first_tokens.get("ioattn"), first_tokens.get(peer))
+    if "ioattn_over_hf-generate" in out:
+        out["notes"] = [f"ioattn / hf-generate output throughput: {out['ioattn_over_hf-generate']:.2f}x (bar on a "
+                        f"CPU: >= 1.5)"]
+    if device == "cpu":
+        out.setdefault("notes", []).append(f"CPU threads: {torch.get_num_threads()} (torch.get_num_threads(), the "
+                                           "same for every system of this run)")
     return out
 
 

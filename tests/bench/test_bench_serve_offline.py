@@ -108,6 +108,12 @@ def test_compare_rejects_unknown_or_repeated_systems(text):
         serve._systems(text)
 
 
+def test_decode_batch_larger_than_max_num_seqs_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        serve.main(["--compare", "ioattn", "--max-num-seqs", "4"])
+    assert "--decode-batch (64) must be <= --max-num-seqs (4)" in capsys.readouterr().err
+
+
 def _tiny_model():
     from ioattn.models.loader import load_model
 
@@ -131,3 +137,24 @@ def test_compare_on_cuda_has_a_roofline_bound(tmp_path):
     assert step["overlapped_steps"] == step["steps_timed"]  # asynchronous scheduling, on by default on CUDA
     assert result["ioattn_over_hf"] > 0 and result["ioattn_over_static"] > 0
     assert result["disclosure"]["transformers"]
+
+
+def test_hf_generate_peer_completes_the_same_workload(tmp_path):
+    """The CPU bar's peer: transformers' plain generate, static left-padded batches, on a copy of our weights;
+    every request's tokens counted, greedy first tokens ours, the ratio and the thread count reported."""
+    out = tmp_path / "serve.json"
+    argv = ["--compare", "ioattn,hf-generate", "--model", "tiny", "--num-requests", "6", "--input-len", "8", "40",
+            "--output-len", "2", "7", "--max-num-seqs", "4", "--decode-batch", "0", "--max-model-len", str(MAX_MODEL_LEN),
+            "--json", str(out)]
+    assert serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    work = workload.make_workload(6, (8, 40), (2, 7), seed=0)
+    peer = result["systems"]["hf-generate"]
+    assert peer["completed"] == 6 and peer["failed"] == 0, peer
+    assert peer["output_tokens"] == sum(w.output_len for w in work)
+    assert peer["ttft_ms_p50"] > 0 and peer["tpot_ms_p50"] > 0
+    assert "hf_twin" in peer["attention"] and "up to 4 requests" in peer["cache"]
+    assert peer["first_token_agreement"] == 1.0
+    assert result["ioattn_over_hf-generate"] > 0
+    assert any("bar on a CPU" in note for note in result["notes"])
+    assert any("CPU threads" in note for note in result["notes"])
