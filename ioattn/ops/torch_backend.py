@@ -8,8 +8,9 @@ nothing it would compute differently:
 
 - no mask, a mask of `sdpa()` (a bool mask as 0 / -inf in q's dtype; an additive one as given in float32 or q's
   dtype, else in float32), or a causal rule: top-left as is; bottom-right with Nq > Nk as top-left on the last Nk
-  queries, the first Nq - Nk seeing no key; bottom-right with Nq < Nk as two calls merged by their LSE (the
-  Nk - Nq keys every query sees, then the causal square), so the outputs round twice;
+  queries, the first Nq - Nk seeing no key; with one query as no rule at all (it sees every key); with
+  1 < Nq < Nk as two calls merged by their LSE (the Nk - Nq keys every query sees, then the causal square), so
+  the outputs round twice;
 - rows that see no key get 0 and LSE -inf (the kernel gives 0 and LSE 0);
 - not a sliding window (left >= 0, or right > 0): the tiled forward visits only the tiles a window can see.
 
@@ -52,6 +53,8 @@ def sdpa_case(inputs: AttentionInputs) -> str:
                 "two calls merged by their LSE when Nq < Nk")
     elif inputs.q.shape[1] == inputs.k.shape[1]:
         case = "one call, is_causal (Nq == Nk: bottom-right is top-left)"
+    elif inputs.q.shape[1] == 1:
+        case = "one call, no mask (one bottom-right query sees every key)"
     elif inputs.q.shape[1] > inputs.k.shape[1]:
         case = "bottom-right causal, Nq > Nk: is_causal on the last Nk queries, the first Nq - Nk see no key"
     else:
@@ -89,7 +92,8 @@ def _sdpa_sequences(q, k, v, mask, out, lse, inputs: AttentionInputs) -> None:
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    causal = _effective_window(inputs)[1] == 0
+    # bottom-right with one query: it sits at the last key and sees them all
+    causal = _effective_window(inputs)[1] == 0 and not (inputs.bottom_right and n_q == 1)
     # (B, H, N, D) views; the kernel reads any strides but the last (a non-unit one gives wrong results, silently)
     q_t, k_t, v_t = (_unit_last_stride(t.transpose(1, 2)) for t in (q, k, v))
     out_t = out.transpose(1, 2)
