@@ -2,8 +2,9 @@
 results compare with published ones.
 
 - `random` (default): prompts of random token ids in the byte range every vocabulary has
-  (`workload.PROMPT_ID_RANGE`), sent as ids. Lengths: `--random-input-len L --random-range-ratio r` draws each from [int(L(1-r)), int(L(1+r))]
-  (vLLM's rule), `--random-output-len` likewise; without them, `--input-len MIN MAX` / `--output-len [MIN] MAX`.
+  (`workload.PROMPT_ID_RANGE`), sent as ids. Lengths: `--random-input-len L --random-range-ratio r` draws each
+  from [int(L(1-r)), int(L(1+r))] (vLLM's rule), `--random-output-len` likewise; without them, `--input-len MIN
+  MAX` / `--output-len [MIN] MAX`.
 - `sharegpt`: a ShareGPT-format JSON file (`--dataset-path`: a list of {"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", "value": ...}, ...]}), sampled as vLLM does: shuffled by the seed, the first two
   turns as prompt and completion, the completion's token count as the output length (or

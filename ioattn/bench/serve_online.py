@@ -142,6 +142,8 @@ def _engine_flags(args) -> list[str]:
         flags += ["--tp", str(args.tp[0])]
     if getattr(args, "no_async_scheduling", False):
         flags.append("--no-async-scheduling")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     return flags
 
 

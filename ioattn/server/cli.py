@@ -14,7 +14,7 @@ from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, posit
 
 API_KEY_ENV = "IOATTN_API_KEY"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _port(text: str) -> int:
@@ -121,6 +121,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as error:  # a bad model, dtype, size or template file: argparse's way out
         print(f"ioattn serve: error: {error}", file=sys.stderr)
         return 2
+    if args.host not in LOOPBACK and not args.api_key:
+        logging.getLogger("ioattn.server").warning(
+            "listening on %s without an API key: anyone who can reach this address can use the server (set "
+            "%s or --api-key)", args.host, API_KEY_ENV)
     # What this process holds (torch, the tokenizer) lives as long as it: frozen, it leaves the cyclic GC's full
     # collections (the engine process does the same with its own).
     gc.collect()
