@@ -55,6 +55,7 @@ class StepAttention:
     table_widths: tuple[int, int] | None = None
     # torch backend: where the rows read the cache, per window, worked out at the first layer and shared by all.
     cache_reads: dict[tuple[int, int], torch_paged.CacheReads] = field(default_factory=dict, repr=False)
+    cache_writes: torch_paged.CacheWrites | None = field(default=None, repr=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self.owner.attend(q, k, v, layer_idx, self)
@@ -196,10 +197,13 @@ class PagedAttention:
         scales = dict(k_scale=self.k_scales[layer_idx], v_scale=self.v_scales[layer_idx])
         common = dict(causal=True, window_size=window, sink_tokens=self.sink_tokens, backend=self.backend,
                       validate=False, **scales)
-        reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False, **scales)
         if self.backend == "torch":
+            if ctx.cache_writes is None:
+                ctx.cache_writes = torch_paged.CacheWrites.build(ctx.slot_mapping)
+            torch_paged.write(k, v, k_cache, v_cache, ctx.cache_writes, **scales)
             return torch_paged.attend(q, k_cache, v_cache, self._cache_reads(ctx, window, k_cache),
                                       softmax_scale_or_default(None, q.shape[-1]), **scales)
+        reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, backend=self.backend, validate=False, **scales)
         if ctx.cu_seqlens_q is None:
             return paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, workspace=self.workspace,
                                    **common)

@@ -13,9 +13,10 @@ import torch
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
 from ioattn.kernels.cache_ops import gather_cache_kernel, reshape_and_cache_kernel
 from ioattn.intmath import cdiv, next_power_of_2
+from ioattn.ops import torch_paged
 from ioattn.ops.checks import check_backend, check_tensor, checks_contents
 from ioattn.ops.fp8 import (
-    FORMAT_BITS, bytes_view, check_fp8_supported, check_scale_values, check_scales, fp8_max, is_fp8, quantize,
+    FORMAT_BITS, bytes_view, check_fp8_supported, check_scale_values, check_scales, fp8_max, is_fp8,
 )
 from ioattn.ops.paged_checks import (
     check_block_mapping, check_cache_pair, check_int_vector, check_slot_contents, dtypes_of, require,
@@ -70,12 +71,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
     if tokens == 0:
         return
     if resolve_backend(backend, key.device)[0] == "torch":
-        written = slot_mapping >= 0
-        slots = slot_mapping[written].long()
-        for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-            rows = new[written]
-            rows = quantize(rows, scale, cache.dtype) if fp8 else rows.to(cache.dtype)
-            bytes_view(cache).view(-1, kv_heads, head_dim).index_copy_(0, slots, bytes_view(rows))
+        torch_paged.write(key, value, k_cache, v_cache, torch_paged.CacheWrites.build(slot_mapping), k_scale, v_scale)
         return
     block_h = min(next_power_of_2(kv_heads), 16)
     quant = {}

@@ -15,7 +15,8 @@ torch ops instead of a few per sequence. Without LSE (`attend`):
   differently and agree bit for bit);
 - the one-query rows (decodes, and one-token chunks) attend in one SDPA call per width: their keys gathered by one
   index_select into a (rows, width, Hkv, D) buffer; a width's rows split into several calls where that buffer
-  would pass GATHER_BYTES;
+  would pass GATHER_BYTES; with 16-bit inputs in float32 (`decode_dtype`: torch's CPU SDPA takes ~4x as long for
+  one bf16 query as for one float32 query), rounded to the inputs' dtype once at the end;
 - each multi-token sequence attends in an SDPA call of its own, over a view of the cache when its slots are one run
   (a prompt's blocks usually are), else over gathered keys, under a mask (never SDPA's is_causal: see
   `_sequence_reads`).
@@ -34,15 +35,20 @@ import torch.nn.functional as F
 
 from ioattn.ops import torch_backend
 from ioattn.ops.checks import AttentionInputs
-from ioattn.ops.fp8 import dequantize
+from ioattn.ops.fp8 import bytes_view, dequantize, is_fp8, quantize
 
-DESCRIPTION = ("one-query rows batched into one SDPA call per padded width over keys gathered through their tables; "
-               "each multi-token sequence an SDPA call over a cache view or its gathered keys (the tiled torch "
+DESCRIPTION = ("one-query rows batched into one SDPA call per padded width over keys gathered through their tables "
+               "(in float32 for 16-bit inputs); each multi-token sequence an SDPA call over a cache view or its gathered keys (the tiled torch "
                "forward when LSE is asked for)")
 # Largest K (and as large a V) buffer one decode group gathers; a longer batch is split into several groups.
 GATHER_BYTES = 64 << 20
 # Every call attends over its sequence's length rounded up to a multiple of this (see the module docstring).
 WIDTH_STEP = 128
+
+
+def decode_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype one-query rows attend in: float32 for 16-bit inputs, else their own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _visible(num_queries: int, seq_len: int, window: tuple[int, int], sink_tokens: int) -> torch.Tensor:
@@ -108,7 +114,7 @@ class CacheReads:
         (default the cache's; an fp8 cache's keys are gathered in it)."""
         dtype = dtype or k_cache.dtype
         page, num_slots = k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1]
-        row_bytes = k_cache[0, 0].numel() * dtype.itemsize if k_cache.shape[0] else 0
+        row_bytes = k_cache[0, 0].numel() * decode_dtype(dtype).itemsize if k_cache.shape[0] else 0
         lens = seq_lens.tolist()
         if decode_rows is None:
             decode_rows = len(lens) if cu_seqlens_q is None else 0
@@ -122,11 +128,37 @@ class CacheReads:
             elif end > start:  # None: a sequence with no keys at all, its rows stay 0
                 sequences.append(_sequence_reads(block_table[decode_rows + i], seq_len, start, end, window,
                                                  sink_tokens, page, num_slots, dtype) if seq_len else None)
-        groups = tuple(_decode_group(block_table, members, window, sink_tokens, page, dtype)
+        groups = tuple(_decode_group(block_table, members, window, sink_tokens, page, decode_dtype(dtype))
                        for members in _width_groups(single, row_bytes))
         complete = (all(n for _, _, n in single) and all(s is not None and s.seen is None for s in sequences)
                     and all(g.seen is None for g in groups))
         return cls(groups, tuple(s for s in sequences if s is not None), complete)
+
+
+@dataclass(frozen=True)
+class CacheWrites:
+    """Where a call's new tokens go in the cache: the int64 slots written, and the token rows they come from when
+    some slots are -1 (skipped; None when every token is written). The engine builds it once per step."""
+
+    slots: torch.Tensor
+    rows: torch.Tensor | None
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor) -> CacheWrites:
+        written = slot_mapping >= 0
+        if bool(written.all()):
+            return cls(slot_mapping.long(), None)
+        return cls(slot_mapping[written].long(), written.nonzero().squeeze(1))
+
+
+def write(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          writes: CacheWrites, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """New tokens' K/V (tokens, Hkv, D) into their slots by index copies, quantized into an fp8 cache (scales
+    given), else cast to the cache's dtype."""
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        rows = new if writes.rows is None else new.index_select(0, writes.rows)
+        rows = quantize(rows, scale, cache.dtype) if is_fp8(cache.dtype) else rows.to(cache.dtype)
+        bytes_view(cache).view(-1, *cache.shape[2:]).index_copy_(0, writes.slots, bytes_view(rows))
 
 
 def padded_width(seq_len: int) -> int:
@@ -206,17 +238,19 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads:
     k_scale / v_scale: an fp8 cache's (the reads built with dtype=q.dtype)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat_k, flat_v = _Gathered(k_cache, k_scale, q.dtype), _Gathered(v_cache, v_scale, q.dtype)
+    one_query = decode_dtype(q.dtype)
+    group_k, group_v = _Gathered(k_cache, k_scale, one_query), _Gathered(v_cache, v_scale, one_query)
     result = torch.empty_like(q) if out is None else out
     if not reads.complete:
         result.zero_()
     for group in reads.decode_groups:
         count = group.slots.numel() // group.width
         keys, values = (flat.index_select(0, group.slots).view(count, group.width, num_kv_heads, head_dim)
-                        .transpose(1, 2) for flat in (flat_k, flat_v))
+                        .transpose(1, 2) for flat in (group_k, group_v))
         # (rows, Hq, 1, D) against (rows, Hkv, width, D); GQA through enable_gqa, no copies per query head.
-        queries = q[group.rows].unsqueeze(2)
+        queries = q[group.rows].unsqueeze(2).to(one_query)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.bias, scale=scale,
-                                                  enable_gqa=True).squeeze(2)
+                                                  enable_gqa=True).squeeze(2).to(q.dtype)
         if group.seen is not None:
             attended = torch.where(group.seen[:, None, None], attended, 0.0)
         if isinstance(group.rows, slice):
@@ -239,14 +273,16 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads:
 
 
 class _Gathered:
-    """One cache's rows as `attend` reads them (flat (slots, Hkv, D)): slices and index_selects, dequantized
-    into `dtype` when the cache is fp8 (a scale given)."""
+    """One cache's rows as `attend` reads them (flat (slots, Hkv, D)): slices and index_selects in `dtype`,
+    dequantized into it when the cache is fp8 (a scale given)."""
 
     def __init__(self, cache: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
         self.flat, self.scale, self.dtype = cache.view(-1, *cache.shape[2:]), scale, dtype
 
     def _out(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.scale is None else dequantize(rows, self.scale, self.dtype)
+        if self.scale is not None:
+            return dequantize(rows, self.scale, self.dtype)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         return self._out(self.flat[rows])

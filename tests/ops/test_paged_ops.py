@@ -286,3 +286,14 @@ def test_torch_backend_equals_the_reference(index, dtype):
     out, lse = paged_attention(*args, backend="torch", return_lse=True)
     assert rel_error(out, ref_out) < TOLERANCE[torch.float32] and lse_error(lse, ref_lse) < 1e-5
     assert "torch" in str(ioattn.explain(*args[:3], block_table=args[3], seq_lens=args[4], backend="torch"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_backend_decodes_16_bit_inputs_in_float32(dtype):
+    """One-query rows of 16-bit inputs attend in float32 and round once: nearly every output element is the
+    float64 result rounded to the dtype (a 16-bit softmax would round P before P @ V and miss far more often)."""
+    args, ref_out, _ = small_case("cpu", seq_lens=(31, 17), dtype=dtype, num_blocks=16)
+    out = torch.full_like(args[0], float("nan"))
+    paged_attention(*args, backend="torch", out=out)
+    assert rel_error(out, ref_out) < TOLERANCE[dtype]
+    assert (out == ref_out.to(dtype)).float().mean() > 0.97
