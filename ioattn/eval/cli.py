@@ -17,18 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, fail, positive_int
-
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+from ioattn.cli_args import DEFAULT_MODEL, MODEL_HELP, add_kv_cache_flags, fail, nonnegative_int, positive_int
 
 
 def _common_flags(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +48,7 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     ppl.add_argument("--kv-window", type=positive_int, default=None, metavar="W",
                      help="StreamingLLM: every query sees the last W tokens (itself included); older blocks are "
                      "released after each chunk, so the text may run past the model's context")
-    ppl.add_argument("--kv-sinks", type=_count, default=0, metavar="S",
+    ppl.add_argument("--kv-sinks", type=nonnegative_int, default=0, metavar="S",
                      help="with --kv-window: the first S tokens stay visible too (attention sinks)")
     streaming = kinds.add_parser("streaming", help="perplexity by position for (a) a window, (b) the window + "
                                  "attention sinks, (c) full attention up to the context; a markdown table")
