@@ -95,8 +95,10 @@ class PagedAttention:
             if kv_scales is None or kv_scales.k.shape != expected or kv_scales.v.shape != expected:
                 raise ValueError(f"kv_scales must hold (num_layers, num_kv_heads) = {expected} K and V scales for an "
                                  f"fp8 cache, got {None if kv_scales is None else tuple(kv_scales.k.shape)}")
-            self.k_scales = list(kv_scales.k.to(self.device, torch.float32).contiguous().unbind(0))
-            self.v_scales = list(kv_scales.v.to(self.device, torch.float32).contiguous().unbind(0))
+            # One allocation per layer: rows of one (layers, heads) tensor would sit at offsets that are not all
+            # 16-byte aligned, and Triton specialises on that (a kernel compiled mid-serving for the odd layers).
+            self.k_scales = [row.clone() for row in kv_scales.k.to(self.device, torch.float32).unbind(0)]
+            self.v_scales = [row.clone() for row in kv_scales.v.to(self.device, torch.float32).unbind(0)]
         elif kv_scales is not None:
             raise ValueError(f"kv_scales apply to fp8 caches only, not {self.cache_dtype}")
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)

@@ -77,6 +77,10 @@ def test_fp8_engine_reports_its_cache_and_scales(tiny):
     assert eng.attention.k_caches[0].dtype == torch.float8_e5m2
     assert eng.prefix_key == ("kv_cache", "fp8_e5m2", described["kv_scales"]["identity"])
     assert engine(tiny).stats()["attention"]["cache_dtype"] == "float32" and engine(tiny).prefix_key is None
+    # Every layer's scales in an allocation of their own, 16-byte aligned like layer 0's (Triton specialises
+    # kernels on pointer alignment: an odd layer's would compile a kernel of its own, mid-serving on CUDA).
+    for scales in (eng.attention.k_scales, eng.attention.v_scales):
+        assert len({t.data_ptr() for t in scales}) == len(scales) and all(t.data_ptr() % 16 == 0 for t in scales)
 
 
 def test_calibration_rule_is_a_power_of_two_above_amax(tiny):
