@@ -38,8 +38,8 @@ from ioattn.ops.checks import AttentionInputs
 from ioattn.ops.fp8 import bytes_view, dequantize, is_fp8, quantize
 
 DESCRIPTION = ("one-query rows batched into one SDPA call per padded width over keys gathered through their tables "
-               "(in float32 for 16-bit inputs); each multi-token sequence an SDPA call over a cache view or its gathered keys (the tiled torch "
-               "forward when LSE is asked for)")
+               "(in float32 for 16-bit inputs); each multi-token sequence an SDPA call over a cache view or its "
+               "gathered keys (the tiled torch forward when LSE is asked for)")
 # Largest K (and as large a V) buffer one decode group gathers; a longer batch is split into several groups.
 GATHER_BYTES = 64 << 20
 # Every call attends over its sequence's length rounded up to a multiple of this (see the module docstring).
