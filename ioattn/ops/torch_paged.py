@@ -12,7 +12,8 @@ torch ops instead of a few per sequence. Without LSE (`attend`):
   hidden key adds exactly 0): SDPA's rounding depends on the width it is given, and a width that follows from the
   sequence alone keeps a token's result independent of the rows it is batched with, and the same whether it is a
   decode or the last token of a chunk (the synchronous and the overlapping engine batch the same tokens
-  differently and agree bit for bit);
+  differently and agree bit for bit) — on one torch thread: with more, torch's CPU SDPA shares a small batch's work
+  out differently, and a row can move by an ulp or two with its batch;
 - the one-query rows (decodes, and one-token chunks) attend in one SDPA call per width: their keys gathered by one
   index_select into a (rows, width, Hkv, D) buffer; a width's rows split into several calls where that buffer
   would pass GATHER_BYTES; with 16-bit inputs in float32 (`decode_dtype`: torch's CPU SDPA takes ~4x as long for

@@ -83,20 +83,36 @@ def test_decode_groups_by_padded_width_and_buffer_size(monkeypatch):
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_a_one_query_row_computes_the_same_bits_in_any_batch():
+@pytest.fixture
+def torch_threads():
+    threads = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(threads)
+
+
+def test_a_one_query_row_computes_the_same_bits_in_any_batch(torch_threads):
     # Alone, beside rows of other lengths, and as a one-token chunk after a prompt chunk: bit for bit the same
-    # (the synchronous and the overlapping engine batch the same token differently).
+    # (the synchronous and the overlapping engine batch the same token differently). On one torch thread: with
+    # more, torch's CPU SDPA shares a small batch's work out differently, and rows move by an ulp or two
+    # (2 threads: up to 6e-8), checked apart below.
+    torch_threads(1)
+    assert_batch_invariant(torch.equal)
+    torch_threads(2)
+    assert_batch_invariant(lambda a, b: rel_error(a, b) < 1e-6)
+
+
+def assert_batch_invariant(same) -> None:
     lens = [37, 90, 5, 128, 30]
     k_cache, v_cache, table, gen = pool(lens, torch.float32)
     q = torch.randn(len(lens), KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     _, batched = run(q, k_cache, v_cache, table, lens, None)
     for row in range(len(lens)):
         _, alone = run(q[row:row + 1], k_cache, v_cache, table[row:row + 1], lens[row:row + 1], None)
-        assert torch.equal(alone[0], batched[row])
+        assert same(alone[0], batched[row])
     chunk = torch.randn(4, KV_HEADS * GROUP, HEAD_DIM, generator=gen)
     cu = torch.tensor([0, 4, 5], dtype=torch.int32)
     _, mixed = run(torch.cat([chunk, q[:1]]), k_cache, v_cache, table[[1, 0]], [lens[1], lens[0]], cu)
-    assert torch.equal(mixed[4], batched[0])
+    assert same(mixed[4], batched[0])
 
 
 def test_a_prompt_computes_the_same_bits_fresh_or_after_a_prefix_hit():
