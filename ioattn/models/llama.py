@@ -9,7 +9,8 @@ tests and simple generation pass `DenseCausalAttention`). On CUDA the elementwis
 (`ioattn.ops.fused`, rounding where the torch code here rounds; RMSNorm's sum of squares is reduced in
 another order, so its outputs may differ in the last bits) and each residual add is folded into the norm that
 follows it, so every layer passes on (sublayer output, residual stream); elsewhere the plain torch code runs
-(the same operations, so its results are bit for bit unchanged). Parameter names are those of Hugging Face
+(the same operations, so its results are bit for bit unchanged, except that few-row float32 products on the CPU
+run as W @ x^T, see `linear`). Parameter names are those of Hugging Face
 checkpoints, except that q/k/v and gate/up projections are fused into one matmul each (`qkv_proj`,
 `gate_up_proj`); `checkpoint_layout` says where each checkpoint tensor goes.
 """
