@@ -79,13 +79,13 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
 
     types = {n: "i32" for n in kernel.arg_names}
     types.update({n: "*bf16" for n in ("Q", "K", "V", "O", "MASK")}, qk_scale="fp32")
-    types.update({n: "*fp32" for n in ("LSE", "cu_seqlens_q", "cu_seqlens_k")})
+    types.update({n: "*fp32" for n in ("LSE", "cu_seqlens_q", "cu_seqlens_k", "K_descale", "V_descale")})
     aligned = [n for n in kernel.arg_names if (types.get(n, "").startswith("*") or n.startswith("stride_"))
                and n not in kernel.do_not_specialize]
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
                       GROUP=4, PACK_GQA=False, VARLEN=False, BOTTOM_RIGHT=True, LEFT_BOUNDED=False,
                       RIGHT_BOUNDED=causal, MASK_KIND=MASK_NONE, INPUT_PRECISION="ieee", LOOP_STAGES=None,
-                      SCALE_POSITIVE=True, TMA=tma)
+                      SCALE_POSITIVE=True, TMA=tma, DESCALE=False)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 

@@ -102,7 +102,7 @@ def _attend_tiles(
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "stride_ob", "stride_lb",
                                "stride_lh", "stride_ln"])
 def prefill_fwd_kernel(
-    Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k,
+    Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k, K_descale, V_descale,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -115,7 +115,10 @@ def prefill_fwd_kernel(
     GROUP: tl.constexpr, PACK_GQA: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_POSITIVE: tl.constexpr, TMA: tl.constexpr,
+    DESCALE: tl.constexpr = False,
 ):
+    # DESCALE: K and V hold fp8 codes (converted exactly); K_descale / V_descale (num_heads_kv,) float32 multiply
+    # the softmax scale and the output, per KV head, so the dequantized values are never rounded to 16 bits.
     # --- which rows this program owns: ROWS query positions of one head, or of a whole GQA group (packed)
     ROWS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M
     # last query tiles first: under causal masks they see the most keys, so the grid's tail is short work
@@ -210,6 +213,8 @@ def prefill_fwd_kernel(
 
         # --- online softmax over the visible K/V tiles
         qk_scale = qk_scale * _LOG2E
+        if DESCALE:
+            qk_scale = qk_scale * tl.load(K_descale + head_kv)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -232,6 +237,8 @@ def prefill_fwd_kernel(
         # --- epilogue: rows that saw no key get output 0 and LSE -inf
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        if DESCALE:
+            out = out * tl.load(V_descale + head_kv)
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
         if not TMA:
             o_rows = row.to(tl.int64)[:, None] * stride_on + row_head.to(tl.int64)[:, None] * stride_oh

@@ -58,7 +58,22 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
         return
     launch_prefill_fwd(q, k, v, out, lse, plan.problem, plan.config, cu_seqlens_q=inputs.cu_seqlens_q,
                        cu_seqlens_k=inputs.cu_seqlens_k, max_seqlen_q=inputs.max_seqlen_q,
-                       attn_mask=inputs.attn_mask)
+                       attn_mask=inputs.attn_mask, k_descale=inputs.k_descale, v_descale=inputs.v_descale)
+
+
+def descaled_varlen_forward(q, k_codes, v_codes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
+                            softmax_scale, k_descale, v_descale):
+    """The Triton varlen forward (no autograd) over K/V that hold fp8 codes converted exactly to q's dtype, the
+    per-KV-head float32 descales folded into the softmax scale and the output: what the paged gather path of an
+    fp8 cache runs, so the dequantized values are never rounded to 16 bits. Bottom-right windows as given
+    (causal folded in); returns (out, lse (Hq, total_q)). The caller has checked every argument."""
+    inputs = checks.validate_varlen(q, k_codes, v_codes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    False, window_size, softmax_scale, False)
+    inputs = dataclasses.replace(inputs, k_descale=k_descale, v_descale=v_descale)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    _forward(inputs, dispatch.plan(inputs, "triton"), out, lse)
+    return out, lse
 
 
 def _upcast(inputs: AttentionInputs) -> AttentionInputs:

@@ -133,17 +133,23 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 def gather_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, capacity: int, *, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 v_scale: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                 dequantize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sequence's first seq_lens[b] cached K/V, through its block table, packed at rows cu_seqlens_k[b]...
     of two new (capacity, num_kv_heads, D) tensors (rows past the last sequence are left unwritten). A table
     entry < 0 is never read; its positions come out as zeros. The buffers are in `dtype` (default the cache's);
     an fp8 cache is dequantized on the way (times k_scale / v_scale per KV head, in float32, then rounded to
-    `dtype`, which an fp8 cache requires)."""
+    `dtype`, which an fp8 cache requires); with dequantize=False its codes are converted to `dtype` unscaled (exact
+    in float16 / bfloat16 / float32: the caller applies the scales, as the gathered paged path does)."""
     batch, width = block_table.shape
     page, kv_heads, head_dim = k_cache.shape[1:]
-    dequant = is_fp8(k_cache.dtype)
-    require(not dequant or (dtype is not None and not is_fp8(dtype)),
-            f"dtype: gathering an fp8 cache needs the (non-fp8) dtype to dequantize into, got {dtype}")
+    fp8 = is_fp8(k_cache.dtype)
+    require(not fp8 or (dtype is not None and not is_fp8(dtype)),
+            f"dtype: gathering an fp8 cache needs the (non-fp8) dtype to convert into, got {dtype}")
+    require(isinstance(dequantize, bool), f"dequantize must be a bool, got {dequantize!r}")
+    dequant = fp8 and dequantize
+    require(not dequant or (k_scale is not None and v_scale is not None),
+            "k_scale and v_scale are required to dequantize an fp8 cache (dequantize=False gathers its codes)")
     k_out = torch.empty(capacity, kv_heads, head_dim, dtype=dtype or k_cache.dtype, device=k_cache.device)
     v_out = torch.empty_like(k_out)
     block_d = next_power_of_2(head_dim)

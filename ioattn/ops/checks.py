@@ -70,6 +70,9 @@ class AttentionInputs:
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # k/v hold fp8 codes; these float32 (Hkv,) factors scale the scores and the output per KV head (Triton only)
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:

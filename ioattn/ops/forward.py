@@ -178,13 +178,16 @@ def launch_prefill_fwd(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     attn_mask: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> None:
     """Run the kernel with an explicit configuration; writes `out` and `lse` in place.
 
     Layouts: q/out (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), lse (B, Hq, Nq); varlen: (total, H, D) and lse
     (Hq, total_q) with int32 cu_seqlens. `attn_mask` (dense only) must already be broadcast to 4 dims
     (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
-    aligned base and strides): the caller checks them and copies when they do not.
+    aligned base and strides): the caller checks them and copies when they do not. k_descale / v_descale: float32
+    (Hkv,) factors of the scores and the output per KV head (k/v hold fp8 codes; both or neither).
     """
     ensure_allocator()
     varlen = cu_seqlens_q is not None
@@ -220,6 +223,7 @@ def launch_prefill_fwd(
     dummy_cu = cu_seqlens_q if varlen else lse
     prefill_fwd_kernel[grid](
         q, k, v, out, lse, mask_arg, dummy_cu, cu_seqlens_k if varlen else lse,
+        lse if k_descale is None else k_descale, lse if v_descale is None else v_descale,
         seqlen_q, seqlen_k, hq, hkv,
         *strides_q, *strides_k, *strides_v, *strides_o, *strides_l, *strides_m,
         problem.softmax_scale, problem.window_left, problem.window_right,
@@ -227,6 +231,7 @@ def launch_prefill_fwd(
         GROUP=group, PACK_GQA=problem.pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=problem.bottom_right,
         LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
         INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
-        SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma, num_warps=config.num_warps,
+        SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma,
+        **({"DESCALE": True} if k_descale is not None else {}), num_warps=config.num_warps,
         num_stages=config.num_stages, maxnreg=config.maxnreg,
     )

@@ -196,7 +196,7 @@ def _cache_words(dtype: torch.dtype, backend: str, gather: bool) -> str:
     if backend == "torch":
         how = "dequantized (x scale per KV head) as each sequence's keys are gathered"
     elif gather:
-        how = "dequantized (x scale per KV head) into the gathered buffers"
+        how = "gathered as exact fp8 codes; the forward folds K scale into the softmax scale, V scale into the output"
     else:
         how = "loaded as fp8; K scale folded into the softmax scale, V scale into the output, per KV head"
     return f"{name} KV cache, {how}"
@@ -456,20 +456,26 @@ def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q
                         out, return_lse, k_scale=None, v_scale=None):
     """The gather path of a multi-token call: packed context, then the dense varlen forward (bottom-right
     causal per sequence: query i of sequence b at position seq_lens[b] - q_len_b + i, as the paged kernel).
-    An fp8 context is dequantized into q's dtype as it is gathered."""
-    from ioattn.ops.attention import flash_attn_varlen_func
+    An fp8 context is gathered as its codes (exact in q's dtype) and the forward folds the scales in per KV head,
+    as the paged kernel does: rounding K * scale to 16 bits would add error beyond the quantization."""
+    from ioattn.ops.attention import descaled_varlen_forward, flash_attn_varlen_func
 
     batch, width = block_table.shape
     capacity = batch * width * k_cache.shape[1]  # a host bound on sum(seq_lens): no synchronisation
     cu_seqlens_k = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(seq_lens, 0, dtype=torch.int32, out=cu_seqlens_k[1:])
-    keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity, k_scale=k_scale,
-                                v_scale=v_scale, dtype=q.dtype)
+    keys, values = gather_cache(k_cache, v_cache, block_table, seq_lens, cu_seqlens_k, capacity, dtype=q.dtype,
+                                dequantize=False)
     # causal=False: the window (left, right) already carries the causal bound (right = 0), bottom-right aligned.
     # validate=False: the call's own arguments were checked, and cu_seqlens_k is built here from them.
-    result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         width * k_cache.shape[1], causal=False, window_size=window,
-                                         softmax_scale=scale, return_lse=True, backend="triton", validate=False)
+    max_seqlen_k = width * k_cache.shape[1]
+    if is_fp8(k_cache.dtype):
+        result, lse = descaled_varlen_forward(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                              window, scale, k_scale, v_scale)
+    else:
+        result, lse = flash_attn_varlen_func(q, keys, values, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             causal=False, window_size=window, softmax_scale=scale, return_lse=True,
+                                             backend="triton", validate=False)
     if out is not None:
         out.copy_(result)
         result = out

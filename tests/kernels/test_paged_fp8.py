@@ -37,8 +37,9 @@ def fp8_pool(seq_lens, *, page, kv_heads, head_dim, fp8, device, query_dtype=tor
     num_blocks = sum(per_seq) + spare_blocks
     k_cache = torch.zeros(num_blocks, page, kv_heads, head_dim, dtype=fp8, device=device)
     v_cache = torch.zeros_like(k_cache)
-    k_scale = (0.0093 * 4.0 ** torch.arange(kv_heads, dtype=torch.float32)).to(device)
-    v_scale = (0.011 * 3.0 ** torch.arange(kv_heads, dtype=torch.float32)).to(device)
+    # Four magnitudes, repeating: 32 heads of 4**h would put keys past 1e18 and scores past float32's reach.
+    k_scale = (0.0093 * 4.0 ** (torch.arange(kv_heads) % 4).float()).to(device)
+    v_scale = (0.011 * 3.0 ** (torch.arange(kv_heads) % 4).float()).to(device)
     order = torch.randperm(num_blocks).tolist()
     table = torch.full((len(seq_lens), max(per_seq + [1]) + 1), -1, dtype=torch.int32)
     slots = []
@@ -218,6 +219,13 @@ def test_fp8_gather_dequantizes_per_head(device):
         assert torch.equal(keys[cu[b]:cu[b] + n], flat_k[slots]) and torch.equal(values[cu[b]:cu[b] + n], flat_v[slots])
     with pytest.raises(ValueError, match="dtype"):
         gather_cache(k_cache, v_cache, table, lens, cu, 30, k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="k_scale and v_scale are required"):
+        gather_cache(k_cache, v_cache, table, lens, cu, 30, dtype=torch.float32)
+    # The gathered paged path takes the codes, unscaled and exact in a 16-bit dtype, and folds the scales in later.
+    codes, _ = gather_cache(k_cache, v_cache, table, lens, cu, sum(seq_lens), dtype=torch.bfloat16, dequantize=False)
+    positions = torch.arange(seq_lens[0], device=device)
+    slots = table[0, positions // 4].long() * 4 + positions % 4
+    assert torch.equal(codes[: seq_lens[0]].float(), k_cache.reshape(-1, 3, 16)[slots].float())
 
 
 def test_fp8_block_copies_and_swaps_move_bytes(device):
@@ -244,7 +252,7 @@ def test_fp8_explain_names_the_cache_and_compile_variants_run(device):
     cu = torch.tensor([0, 30], dtype=torch.int32, device=device)
     gathered = explain_paged(torch.zeros(30, 4, 32, device=device), k_cache, v_cache, table, lens, cu_seqlens_q=cu,
                              gather=True, k_scale=k_scale, v_scale=v_scale)
-    assert "dequantized" in str(gathered)
+    assert "exact fp8 codes" in str(gathered) and "forward folds K scale" in str(gathered)
     assert "bfloat16 KV cache" in str(explain_paged(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), table, lens))
     if device == "cuda":
         compile_variants(4, k_cache, v_cache, dtype=torch.bfloat16, k_scale=k_scale, v_scale=v_scale, max_tokens=64)

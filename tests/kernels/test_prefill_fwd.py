@@ -182,15 +182,18 @@ from triton.compiler import ASTSource
 from ioattn.kernels.prefill_fwd import prefill_fwd_kernel as kernel
 from ioattn.ops.forward import head_dim_padded
 
-def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask_kind, pack_gqa, group, varlen, tma):
+def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask_kind, pack_gqa, group, varlen, tma,
+          descale):
     names = kernel.arg_names
     sig = {n: "i32" for n in names}
     sig.update({n: f"*{dtype}" for n in ("Q", "K", "V", "O")}, LSE="*fp32", qk_scale="fp32",
-               MASK={0: f"*{dtype}", 1: "*u8", 2: "*fp32"}[mask_kind], cu_seqlens_q="*i32", cu_seqlens_k="*i32")
+               MASK={0: f"*{dtype}", 1: "*u8", 2: "*fp32"}[mask_kind], cu_seqlens_q="*i32", cu_seqlens_k="*i32",
+               K_descale="*fp32", V_descale="*fp32")
     sig.update({n: "i64" for n in ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_lb", "stride_mb")})
     const = dict(HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
                  PACK_GQA=pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=True, LEFT_BOUNDED=False, RIGHT_BOUNDED=right_bounded,
-                 MASK_KIND=mask_kind, INPUT_PRECISION="ieee", LOOP_STAGES=None, SCALE_POSITIVE=True, TMA=tma)
+                 MASK_KIND=mask_kind, INPUT_PRECISION="ieee", LOOP_STAGES=None, SCALE_POSITIVE=True, TMA=tma,
+                 DESCALE=descale)
     sig.update({n: "constexpr" for n in const})
     aligned = ("Q", "K", "V", "O", "LSE", "stride_qn", "stride_qh", "stride_kn", "stride_kh", "stride_vn",
                "stride_vh", "stride_on", "stride_oh")
@@ -206,18 +209,19 @@ print(json.dumps([build(*case) for case in json.loads(sys.argv[1])]))
 def test_builds_for_hopper_within_shared_memory():
     if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton install has no ptxas")
-    cases = [  # (dtype, D, BM, BN, warps, stages, causal, mask kind, pack_gqa, group, varlen, tma)
-        ("bf16", 128, 128, 64, 4, 2, True, 0, False, 1, False, True),  # the sm90 table's D=128 entry
-        ("bf16", 128, 128, 128, 8, 3, True, 0, False, 1, True, True),  # varlen, largest candidate tiles
-        ("fp16", 72, 128, 128, 8, 2, False, 2, True, 4, False, True),  # fp32 additive mask, packed GQA
-        ("bf16", 64, 128, 64, 4, 3, False, 0, False, 1, False, False),  # the short-query D=64 entry: pointers
+    cases = [  # (dtype, D, BM, BN, warps, stages, causal, mask kind, pack_gqa, group, varlen, tma, descale)
+        ("bf16", 128, 128, 64, 4, 2, True, 0, False, 1, False, True, False),  # the sm90 table's D=128 entry
+        ("bf16", 128, 128, 128, 8, 3, True, 0, False, 1, True, True, False),  # varlen, largest candidate tiles
+        ("fp16", 72, 128, 128, 8, 2, False, 2, True, 4, False, True, False),  # fp32 additive mask, packed GQA
+        ("bf16", 64, 128, 64, 4, 3, False, 0, False, 1, False, False, False),  # the short-query D=64 entry: pointers
+        ("bf16", 128, 128, 64, 4, 2, True, 0, False, 4, True, True, True),  # fp8 codes: the paged gather path
     ]
     result = subprocess.run([sys.executable, "-c", SM90_BUILD, json.dumps(cases)], capture_output=True, text=True,
                             env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     for case, shared in zip(cases, json.loads(result.stdout.splitlines()[-1])):
-        dtype, d, bm, bn, warps, stages, _, mask_kind, _, _, _, tma = case
+        dtype, d, bm, bn, warps, stages, _, mask_kind, _, _, _, tma, _ = case
         config = FwdConfig(bm, bn, warps, stages, tma=tma)
         estimate = shared_memory_estimate(config, d, dtypes[dtype], torch.float32 if mask_kind == 2 else None)
         assert shared <= estimate <= HOPPER_SHARED_MEMORY, (case, shared, estimate)
