@@ -1,7 +1,8 @@
-"""What a loaded model is (`LoadedModel`, its chat template) and the Hugging Face checkpoint folder's files: weights
-(`model.safetensors` or the shards `model.safetensors.index.json` lists), `generation_config.json` and
-`tokenizer_config.json`. `ioattn.models.loader` dispatches between presets, GGUF files and folders; presets and
-the GGUF reader build on the types here.
+"""What a loaded model is (`LoadedModel`, its chat template), the model class a config builds (`build_model`) and
+the Hugging Face checkpoint folder's files: weights (`model.safetensors` or the shards
+`model.safetensors.index.json` lists), `generation_config.json` and `tokenizer_config.json`.
+`ioattn.models.loader` dispatches between presets, GGUF files and folders; presets and the GGUF reader build on
+the types here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ioattn.models.config import ModelConfig
+from ioattn.models.deepseek import DeepseekForCausalLM
 from ioattn.models.llama import LlamaForCausalLM
+from ioattn.models.llama import build_model as build_llama_model
 from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -23,6 +26,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # the attention quantization scales llm-compressor writes (K/V ones are read by `read_kv_scales` for an fp8 KV cache).
 KV_SCALE_SUFFIXES = (".self_attn.k_scale", ".self_attn.v_scale")
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", *KV_SCALE_SUFFIXES, ".self_attn.q_scale")
+
+
+CausalLM = LlamaForCausalLM | DeepseekForCausalLM
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device) -> CausalLM:
+    """The model class for `config` (DeepSeek's for an MLA config, else the Llama family's), its parameters
+    allocated on `device` in `dtype` but not initialised (the caller fills them)."""
+    return build_llama_model(config, dtype, device, DeepseekForCausalLM if config.mla is not None else None)
 
 
 @dataclass(frozen=True)
@@ -36,7 +48,7 @@ class ChatTemplateSource:
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: ByteTokenizer | HFTokenizer
     config: ModelConfig
     eos_token_ids: tuple[int, ...]
@@ -108,7 +120,7 @@ def checkpoint_files(path: str | os.PathLike) -> list[str]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, path: str | os.PathLike) -> None:
+def load_weights(model: CausalLM, path: str | os.PathLike) -> None:
     """Fill every parameter of `model` from the checkpoint, converting dtype; check the names first, so a
     mismatched checkpoint fails before anything is read."""
     from safetensors import safe_open

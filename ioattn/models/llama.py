@@ -254,10 +254,11 @@ class LlamaForCausalLM(nn.Module):
         return layout
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    """A model whose parameters are allocated on `device` in `dtype` but not initialised (the caller fills them)."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device, model_class: type[nn.Module] | None = None):
+    """A model (`model_class`, default LlamaForCausalLM) whose parameters are allocated on `device` in `dtype` but
+    not initialised (the caller fills them)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (model_class or LlamaForCausalLM)(config)
     model = model.to(dtype).to_empty(device=device)
     model.reset_rope()
     return model.eval().requires_grad_(False)
@@ -290,6 +291,15 @@ class DenseCausalAttention:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return dense_causal_attention(q, k, v, layer_idx, self)
+
+    def attend_mla(self, q_nope, q_rope, latent, k_rope, layer_idx: int, projection) -> torch.Tensor:
+        """Multi-head latent attention with no cache: each token's K/V expanded from its latent, `backend` as
+        `expanded_attention` takes it ("auto": the varlen kernel on CUDA only); an MLA layer has no window."""
+        from ioattn.models.deepseek import expanded_attention  # deepseek imports this module
+
+        k_nope, v = projection.expand(latent)
+        return expanded_attention(q_nope, q_rope, k_nope, k_rope, v, self.cu_seqlens, self.cu_seqlens,
+                                  self.max_seqlen, self.max_seqlen, projection.softmax_scale, backend=self.backend)
 
 
 def dense_causal_attention(q, k, v, layer_idx: int, ctx: DenseCausalAttention) -> torch.Tensor:

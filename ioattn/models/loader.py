@@ -1,5 +1,5 @@
 """Loading a model: a built-in preset (`smollm2`, `tiny`, `llama3-8b-shape`), a GGUF file or a local Hugging Face
-checkpoint folder.
+checkpoint folder (Llama family, or all-dense DeepSeek-V2/V3; GGUF files and presets are Llama family only).
 
 A checkpoint folder holds `config.json`, weights in `model.safetensors` or shards listed by
 `model.safetensors.index.json`, `tokenizer.json`, and optionally `generation_config.json` (whose `eos_token_id`,
@@ -14,12 +14,11 @@ import os
 import torch
 
 from ioattn.models.checkpoint import (  # noqa: F401  (re-exported: the loader is where users look for them)
-    ChatTemplateSource, LoadedModel, checkpoint_files, folder_chat_template, load_generation_config, load_weights,
-    read_kv_scales, resolve_dtype,
+    ChatTemplateSource, LoadedModel, build_model, checkpoint_files, folder_chat_template, load_generation_config,
+    load_weights, read_kv_scales, resolve_dtype,
 )
 from ioattn.models.config import ModelConfig, eos_token_ids
 from ioattn.models.gguf import GGUFFile, load_gguf, read_chat_template, read_config, read_tokenizer
-from ioattn.models.llama import build_model
 from ioattn.models.presets import PRESETS
 from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 

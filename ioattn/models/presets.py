@@ -11,6 +11,9 @@ benchmarks.
   for GPU benchmarks; weights are drawn on the target device directly in the target dtype (16 GB in bf16 would
   take minutes through the CPU). Its tokenizer is the byte-level one too: prompts encode to ids < 258, and
   sampled ids past the byte range decode to nothing.
+- `deepseek-v2-lite-shape` and `llama3.2-3b-shape`: DeepSeek-V2-Lite's MLA shapes (every layer dense, 2.6B
+  parameters) and Meta-Llama-3.2-3B's (GQA 24/8, 3.2B), drawn on the device like llama3-8b-shape: the pair the
+  MLA serving benchmark compares (KV bytes per token, the requests a pool holds).
 Random linear weights are drawn with std 1/sqrt(fan_in) and embeddings with std 1, so activations keep unit scale
 through the layers and logits spread over a few units: greedy choices are not near-ties decided by rounding.
 """
@@ -24,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ioattn.models.config import ModelConfig
-from ioattn.models.llama import LlamaForCausalLM, build_model
-from ioattn.models.checkpoint import ChatTemplateSource, LoadedModel, resolve_dtype
+from ioattn.models.config import MLAConfig, ModelConfig, YarnRopeScaling
+from ioattn.models.llama import LlamaForCausalLM
+from ioattn.models.checkpoint import ChatTemplateSource, LoadedModel, build_model, resolve_dtype
 from ioattn.models.tokenizer import ByteTokenizer, HFTokenizer
 
 _BYTES = ByteTokenizer()
@@ -146,6 +149,32 @@ PRESETS: dict[str, Preset] = {
         seed=0,
         draw_on_cpu=False,
         summary="Meta-Llama-3-8B's shapes with random weights (GPU benchmarks)",
+    ),
+    "deepseek-v2-lite-shape": RandomPreset(
+        ModelConfig(
+            model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+            num_heads=16, num_kv_heads=1, head_dim=512 + 64, rms_norm_eps=1e-6, rope_theta=10000.0,
+            max_position_embeddings=163840, dtype=torch.bfloat16, bos_token_id=_BYTES.bos_token_id,
+            eos_token_ids=_BYTES.eos_token_ids,
+            mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                          yarn=YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+                                               mscale_all_dim=0.707)),
+        ),
+        seed=0,
+        draw_on_cpu=False,
+        summary="DeepSeek-V2-Lite's attention shapes (MLA, 16 heads, latent 512 + rope 64), all 27 layers dense "
+                "(its MoE layers as one 10944-wide MLP), random weights (GPU benchmarks)",
+    ),
+    "llama3.2-3b-shape": RandomPreset(
+        ModelConfig(
+            model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+            num_heads=24, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+            max_position_embeddings=8192, dtype=torch.bfloat16, tie_word_embeddings=True,
+            bos_token_id=_BYTES.bos_token_id, eos_token_ids=_BYTES.eos_token_ids,
+        ),
+        seed=0,
+        draw_on_cpu=False,
+        summary="Meta-Llama-3.2-3B's shapes with random weights (the GQA peer of deepseek-v2-lite-shape)",
     ),
 }
 

@@ -35,18 +35,47 @@ FAMILIES = {
     "qwen3": dict(head_dim=32),
 }
 
+# DeepSeek (MLA), all layers dense. HF's attention only runs with num_key_value_heads == num_attention_heads.
+# rms_norm_eps 1e-2 tells the config's eps apart from the 1e-6 HF gives q_a_layernorm / kv_a_layernorm; V's
+# head dim differs from Q/K's (dn + dr = 24) as the varlen kernel's V padding must handle.
+DEEPSEEK_COMMON = {
+    **COMMON, "num_key_value_heads": 4, "first_k_dense_replace": 2, "rms_norm_eps": 1e-2, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "bos_token_id": 1, "eos_token_id": 2,
+}
+DEEPSEEK_FAMILIES = {
+    # V3-style: q LoRA, interleaved RoPE pairs, YaRN with mscale != mscale_all_dim (so both the cos/sin factor and
+    # the softmax scale move); the original context puts RoPE's 4 frequencies in all three YaRN bands.
+    "deepseek_v3": dict(
+        q_lora_rank=48, rope_interleave=True, v_head_dim=8, max_position_embeddings=2048,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8,
+        },
+    ),
+    # V2-Lite-style: plain q_proj, complex-pair RoPE without scaling; attention and MLP biases; tied embeddings.
+    "deepseek_v2": dict(q_lora_rank=None, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+}
+
+
+def family_fields(family: str) -> dict:
+    """The config fields of `family`'s tiny test model."""
+    if family in DEEPSEEK_FAMILIES:
+        return {**DEEPSEEK_COMMON, **DEEPSEEK_FAMILIES[family]}
+    return {**COMMON, **FAMILIES[family]}
+
 
 def hf_classes(family: str):
     import transformers
 
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "deepseek_v2": "DeepseekV2",
+              "deepseek_v3": "DeepseekV3"}[family]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 
 def save_hf_model(family: str, path: str | os.PathLike, max_shard_size: str | None = None, **overrides):
     """A random HF model of `family`, saved (safetensors) with a tokenizer.json; returns the HF model (fp32)."""
     config_cls, model_cls = hf_classes(family)
-    config = config_cls(**{**COMMON, **FAMILIES[family], **overrides})
+    config = config_cls(**{**family_fields(family), **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():
         # HF initialises norms to 1 and biases to 0, which would hide a norm or bias loaded into the wrong place.

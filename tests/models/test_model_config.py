@@ -6,7 +6,8 @@ import torch
 pytest.importorskip("transformers")
 
 from ioattn.models.config import Llama3RopeScaling, ModelConfig
-from ioattn.models.llama import build_model, rope_inv_freq
+from ioattn.models import build_model
+from ioattn.models.llama import rope_inv_freq
 
 BASE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -108,12 +109,14 @@ def test_to_hf_round_trips_through_transformers(family, tmp_path):
 
 
 def test_presets_have_a_transformers_twin():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     from ioattn.models.presets import PRESETS
 
     for name, preset in PRESETS.items():
+        config_cls, model_cls = ((DeepseekV2Config, DeepseekV2ForCausalLM) if preset.config.mla is not None
+                                 else (LlamaConfig, LlamaForCausalLM))
         with torch.device("meta"):
-            twin = LlamaForCausalLM(LlamaConfig(**preset.config.to_hf()))
+            twin = model_cls(config_cls(**preset.config.to_hf()))
         ours = build_model(preset.config, torch.float32, "meta")
         assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in ours.parameters()), name
