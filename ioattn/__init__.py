@@ -13,6 +13,8 @@ _PUBLIC = {
     "paged_attention": "ioattn.ops.paged",
     "reshape_and_cache": "ioattn.ops.cache",
     "merge_states": "ioattn.ops.paged",
+    "mla_paged_attention": "ioattn.ops.mla",
+    "mla_workspace": "ioattn.ops.mla",
     "copy_blocks": "ioattn.ops.cache",
     "swap_blocks": "ioattn.ops.cache",
     "LLM": "ioattn.llm",

@@ -4,20 +4,29 @@ from __future__ import annotations
 
 from ioattn.ops import checks
 from ioattn.ops.dispatch import Plan, plan
+from ioattn.ops.mla import MLAPlan, explain_mla
 from ioattn.ops.paged import PagedPlan, explain_paged
 
 
-def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs) -> Plan | PagedPlan:
+def explain(q, k, v=None, *, api: str | None = None, backend: str = "auto", **kwargs) -> Plan | PagedPlan | MLAPlan:
     """The plan a call with these arguments would run (nothing runs). str() of the result reads well.
 
     `api` is "flash_attn" (q/k/v (B, N, H, D); kwargs of flash_attn_func), "varlen" (packed; kwargs of
     flash_attn_varlen_func), "sdpa" ((B, H, N, D); kwargs of sdpa) or "paged" (k, v are the caches; kwargs of
-    paged_attention: block_table, seq_lens, ...; returns the `PagedPlan`). When omitted it is inferred: paged when
-    block_table is given, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale /
+    paged_attention: block_table, seq_lens, ...; returns the `PagedPlan`) or "mla" (k is the latent cache, v None;
+    kwargs of mla_paged_attention: block_table, seq_lens, v_head_dim, ...; returns the `MLAPlan`). When omitted it
+    is inferred: mla when v_head_dim is given, paged when block_table is given, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale /
     enable_gqa is given.
     """
     if api is None and "block_table" in kwargs:
-        api = "paged"
+        api = "mla" if "v_head_dim" in kwargs else "paged"
+    if api == "mla":
+        missing = [name for name in ("block_table", "seq_lens", "v_head_dim") if name not in kwargs]
+        if missing:
+            raise ValueError(f"api='mla' needs {' and '.join(missing)} (the arguments of mla_paged_attention)")
+        if v is not None:
+            raise ValueError("api='mla' reads V from the latent cache (k): pass v=None")
+        return explain_mla(q, k, kwargs.pop("block_table"), kwargs.pop("seq_lens"), backend=backend, **kwargs)
     if api == "paged":
         missing = [name for name in ("block_table", "seq_lens") if name not in kwargs]
         if missing:
@@ -44,7 +53,7 @@ def explain(q, k, v, *, api: str | None = None, backend: str = "auto", **kwargs)
         inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
                                       kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))
     else:
-        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged' (or None to infer), got {api!r}")
+        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged', 'mla' (or None to infer), got {api!r}")
     if kwargs:
         raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
     return plan(inputs, backend, deterministic=deterministic)

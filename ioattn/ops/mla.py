@@ -1,0 +1,319 @@
+"""Multi-head latent attention (MLA) over a paged latent cache, weights absorbed: the decode kernel's launcher,
+plan, split heuristic and CPU path.
+
+Layout: `latent_cache: (num_blocks, block_size, 1, D)` with D = v_head_dim + rope_dim (DeepSeek-V3: 512 + 64),
+each row a token's latent followed by its RoPE key; `block_table`, `seq_lens` and `cu_seqlens_q` as in
+`ioattn.ops.paged`. The query is the absorbed one (W_UK folded in, the RoPE part appended): q (T, H, D). The
+output is softmax(scale · q · rowsᵀ) · rows[:, :v_head_dim], (T, H, v_head_dim), to which the model applies W_UV.
+
+Launches are CUDA-graph safe when the caller passes `max_seqlen_q` (multi-token queries) and, if splits are used, a
+`workspace` (see `mla_workspace`): no device data is read on the host unless contents are checked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
+from ioattn.kernels.combine import combine_splits_kernel
+from ioattn.kernels.mla_attention import mla_attention_kernel
+from ioattn.intmath import cdiv, next_power_of_2
+from ioattn.ops import torch_paged
+from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.cache import resolve_backend
+from ioattn.ops.checks import (
+    SUPPORTED_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor, checks_contents, is_int,
+    softmax_scale_or_default,
+)
+from ioattn.ops.paged import (
+    MAX_SPLITS, PagedWorkspace, _dependent_launch_supported, _sm_count, choose_num_splits,
+)
+from ioattn.ops.paged_checks import (
+    MAX_BLOCK_SIZE, check_block_table, check_int_vector, check_table_contents, dtypes_of, require,
+)
+
+MAX_LATENT_DIM = 1024  # the accumulator holds BLOCK_H x v_head_dim float32 values per program
+MAX_ROPE_DIM = 256
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Tiles and launch parameters of the MLA kernel. block_h: query heads per program (the rest of the grid's
+    second axis); block_m: rows of a multi-token tile (tokens x block_h); block_n: keys per latent tile."""
+
+    block_h: int = 16
+    block_m: int = 64
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    maxnreg: int | None = None
+
+
+def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:
+    """Defaults: every head of a small group in one program (the latent tile is read once per sequence); 64 heads
+    per program beyond 16, eight warps holding their 64 x v_head_dim accumulator."""
+    block_h = min(max(16, next_power_of_2(num_heads)), 64)
+    if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
+        return MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1)
+    wide = block_h > 16 or not decode
+    return MLAConfig(block_h=block_h, block_m=max(64, block_h), block_n=32 if v_head_dim <= 512 else 16,
+                     num_warps=8 if wide else 4, num_stages=2)
+
+
+def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
+    """Configurations worth timing for one shape on the GPU (pass each as `config=`)."""
+    heads = (16, 32, 64) if num_heads > 16 else (16,)
+    return [MLAConfig(block_h=h, block_m=max(64, h) if not decode else h, block_n=n, num_warps=w, num_stages=s)
+            for h in heads for n in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)
+            if not (h == 64 and w == 4)]
+
+
+@dataclass(frozen=True)
+class MLAPlan:
+    """What an mla_paged_attention call launches; str() explains it."""
+
+    config: MLAConfig
+    num_splits: int
+    block_h: int
+    tokens_per_tile: int
+    q_tiles_per_seq: int
+    head_blocks: int
+    dependent_combine: bool = False
+    backend: str = "triton"
+    reason: str = ""
+
+    def __str__(self) -> str:
+        if self.backend == "torch":
+            return (f"torch MLA: {torch_paged.DESCRIPTION}; V is the latent part of the same rows"
+                    + (f" ({self.reason})" if self.reason else ""))
+        cfg = self.config
+        launch = (f"mla_attention_kernel BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
+                  f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
+                  + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))
+        combine = " (programmatic dependent launch)" if self.dependent_combine else ""
+        splits = f", {self.num_splits} splits + combine{combine}" if self.num_splits > 1 else ", no split"
+        heads = f", {self.head_blocks} head blocks per query tile (each reads the latent rows)"
+        return ("absorbed MLA over the paged latent cache (one shared KV head; V = the latent part of the rows "
+                "K came from): " + launch + heads + splits + (f" ({self.reason})" if self.reason else ""))
+
+
+def mla_workspace(max_tokens: int, num_heads: int, v_head_dim: int, *, max_splits: int = MAX_SPLITS,
+                  device=None) -> PagedWorkspace:
+    """Split scratch, allocated once for the largest batch (tokens = batch for decode) and reused every step."""
+    return PagedWorkspace(
+        torch.empty(max_splits, max_tokens, num_heads, v_head_dim, dtype=torch.float32, device=device),
+        torch.empty(max_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
+    )
+
+
+def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v_head_dim: int, num_splits: int = 0,
+             config: MLAConfig | None = None, workspace: PagedWorkspace | None = None,
+             dependent_combine: bool | None = None, backend: str = "auto") -> MLAPlan:
+    """Path, tiles and split count for a call (host arithmetic on shapes only)."""
+    num_heads = q.shape[1]
+    backend, why = resolve_backend(backend, q.device)
+    config = config or default_config(num_heads, v_head_dim, q.dtype, decode=decode)
+    if backend == "torch":
+        return MLAPlan(config, 1, 0, 0, 0, 0, backend="torch", reason=why)
+    block_h = config.block_h
+    tokens = 1 if decode else max(1, config.block_m // block_h)
+    q_tiles = 1 if decode else max(1, cdiv(max_seqlen_q, tokens))
+    head_blocks = cdiv(num_heads, block_h)
+    if num_splits == 0:
+        programs = block_table.shape[0] * q_tiles * head_blocks
+        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], _sm_count(q.device))
+        if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
+            fits = q.shape[0] <= workspace.partial_out.shape[1]
+            num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
+    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
+    return MLAPlan(config, num_splits, block_h, tokens, q_tiles, head_blocks, dependent, reason=why)
+
+
+def _check_latent_cache(latent_cache, v_head_dim, dtypes) -> None:
+    check_tensor("latent_cache", latent_cache)
+    require(latent_cache.dim() == 4 and latent_cache.shape[2] == 1,
+            f"latent_cache must be (num_blocks, block_size, 1, v_head_dim + rope_dim), got {tuple(latent_cache.shape)}")
+    require(latent_cache.dtype in dtypes, f"latent_cache dtype must be one of {dtypes}, got {latent_cache.dtype} "
+            "(an fp8 latent cache is not supported yet)")
+    block_size = latent_cache.shape[1]
+    require(block_size & (block_size - 1) == 0 and 1 <= block_size <= MAX_BLOCK_SIZE,
+            f"latent_cache block_size must be a power of two in 1..{MAX_BLOCK_SIZE}, got {block_size}")
+    require(latent_cache.stride(-1) == 1, "latent_cache must be contiguous in its last dim (stride(-1) == 1)")
+    require(is_int(v_head_dim) and 16 <= v_head_dim <= MAX_LATENT_DIM and v_head_dim % 8 == 0,
+            f"v_head_dim must be a multiple of 8 in [16, {MAX_LATENT_DIM}], got {v_head_dim!r}")
+    rope = latent_cache.shape[3] - v_head_dim
+    require(8 <= rope <= MAX_ROPE_DIM and rope % 8 == 0,
+            f"latent_cache's last dim {latent_cache.shape[3]} must be v_head_dim ({v_head_dim}) + a RoPE part that "
+            f"is a multiple of 8 in [8, {MAX_ROPE_DIM}]")
+
+
+def _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, v_head_dim, num_splits,
+                softmax_scale, out, workspace, config, dependent_combine, backend, validate):
+    """Every argument check of `mla_paged_attention`, before anything runs: (max_seqlen_q, scale, contents)."""
+    decode = cu_seqlens_q is None
+    check_tensor("q", q)
+    require(q.dim() == 3, f"q must be (batch, heads, D) or (total_q, heads, D), got {tuple(q.shape)}")
+    dtypes = dtypes_of(resolve_backend(backend, q.device)[0])
+    require(q.dtype in dtypes, f"q dtype must be one of {dtypes}, got {q.dtype}")
+    require(q.stride(-1) == 1, "q must be contiguous in its last dim (stride(-1) == 1)")
+    _check_latent_cache(latent_cache, v_head_dim, dtypes)
+    require(latent_cache.dtype == q.dtype, f"q and latent_cache must share a dtype, got {q.dtype}, {latent_cache.dtype}")
+    require(q.shape[2] == latent_cache.shape[3], f"q's last dim {q.shape[2]} != latent_cache's {latent_cache.shape[3]}")
+    require(q.shape[1] >= 1, f"q must have at least one head, got shape {tuple(q.shape)}")
+    require(q.device == latent_cache.device, f"q is on {q.device} but latent_cache is on {latent_cache.device}")
+    check_block_table(block_table, q.device)
+    batch = block_table.shape[0]
+    require(batch <= MAX_GRID_Y * 1024, f"block_table has {batch} sequences, more than a launch grid takes")
+    check_int_vector("seq_lens", seq_lens, batch, q.device)
+    contents = checks_contents(validate, q.device)
+    if decode:
+        require(q.shape[0] == batch, f"decode q has {q.shape[0]} rows but block_table has {batch} sequences")
+        max_seqlen_q = 1
+    else:
+        check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, batch, q.shape[0], q.device, contents=contents)
+        if max_seqlen_q is None:  # a host sync: pass max_seqlen_q to avoid it (and to capture CUDA graphs)
+            max_seqlen_q = int(cu_seqlens_q.diff().max().item()) if batch else 0
+        max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, contents=contents)
+    require(is_int(num_splits) and 0 <= num_splits <= MAX_SPLITS,
+            f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic, 1 = no split), got {num_splits!r}")
+    scale = softmax_scale_or_default(softmax_scale, q.shape[2])
+    require(dependent_combine in (None, True, False),
+            f"dependent_combine must be None, True or False, got {dependent_combine!r}")
+    require(config is None or isinstance(config, MLAConfig),
+            f"config must be an MLAConfig or None, got {type(config).__name__}")
+    if config is not None:
+        require(config.block_h in (16, 32, 64) and config.block_m % config.block_h == 0
+                and config.block_n in (16, 32, 64, 128), f"config {config} needs block_h in 16/32/64, block_m a "
+                "multiple of it and block_n in 16..128")
+    require(workspace is None or isinstance(workspace, PagedWorkspace), "workspace must come from mla_workspace or "
+            f"be None, got {type(workspace).__name__}")
+    if out is not None:
+        check_tensor("out", out)
+        shape = (*q.shape[:2], v_head_dim)
+        require(tuple(out.shape) == shape and out.dtype == q.dtype and out.device == q.device and out.stride(-1) == 1,
+                f"out must be {shape} {q.dtype} on {q.device} with stride(-1) == 1, got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}")
+    if contents:
+        check_table_contents(block_table, seq_lens, None if decode else cu_seqlens_q.diff(), latent_cache.shape[0],
+                             latent_cache.shape[1], -1, 0)
+    return max_seqlen_q, scale
+
+
+def explain_mla(q, latent_cache, block_table, seq_lens, *, v_head_dim, cu_seqlens_q=None, max_seqlen_q=None,
+                num_splits=0, workspace=None, config=None, dependent_combine=None, backend="auto",
+                softmax_scale=None, validate=False, out=None, return_lse=False) -> MLAPlan:
+    """The plan `mla_paged_attention` would run with these arguments (nothing runs)."""
+    max_seqlen_q, _ = _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, v_head_dim,
+                                  num_splits, softmax_scale, None, workspace, config, dependent_combine, backend,
+                                  validate)
+    return plan_mla(q, latent_cache, block_table, decode=cu_seqlens_q is None, max_seqlen_q=max_seqlen_q,
+                    v_head_dim=v_head_dim, num_splits=num_splits, config=config, workspace=workspace,
+                    dependent_combine=dependent_combine, backend=backend)
+
+
+def mla_paged_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    v_head_dim: int,
+    softmax_scale: float | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    num_splits: int = 0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    workspace: PagedWorkspace | None = None,
+    config: MLAConfig | None = None,
+    dependent_combine: bool | None = None,
+    backend: str = "auto",
+    validate: bool | None = None,
+):
+    """Absorbed MLA attention of new queries against a paged latent cache.
+
+    Decode: q (B, H, D), one token per sequence at position seq_lens[b] - 1. Multi-token (speculative verify,
+    chunked prefill over a cache): packed q (total_q, H, D) with int32 `cu_seqlens_q` (B + 1,), query i of
+    sequence b at position seq_lens[b] - q_len_b + i, causal (its own row already in the cache). D = v_head_dim +
+    the RoPE part; softmax_scale defaults to 1/sqrt(D) — pass the model's (DeepSeek's is over the unabsorbed
+    head dim, with YaRN's mscale). num_splits, workspace, config, dependent_combine and validate as in
+    `ioattn.ops.paged.paged_attention`. Returns (T, H, v_head_dim) in q's dtype and, with return_lse, the
+    natural-log LSE in float32: (B, H) for decode, (H, total_q) packed. Rows that see no key give 0 and -inf.
+    backend: "auto" (Triton on CUDA and under the CPU interpreter, else torch), "triton" or "torch".
+    """
+    decode = cu_seqlens_q is None
+    max_seqlen_q, scale = _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, v_head_dim,
+                                      num_splits, softmax_scale, out, workspace, config, dependent_combine, backend,
+                                      validate)
+    plan = plan_mla(q, latent_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q, v_head_dim=v_head_dim,
+                    num_splits=num_splits, config=config, workspace=workspace, dependent_combine=dependent_combine,
+                    backend=backend)
+    num_tokens, num_heads, _ = q.shape
+    if plan.backend == "torch":
+        # V = the rows themselves: the attention over all D columns, of which the first v_head_dim are the output.
+        result = torch_paged.paged_attention(q, latent_cache, latent_cache, block_table, seq_lens, cu_seqlens_q,
+                                             (-1, 0), 0, scale, None, return_lse)
+        result, lse = result if return_lse else (result, None)
+        result = result[..., :v_head_dim]
+        out = result.contiguous() if out is None else out.copy_(result)
+        return (out, lse) if return_lse else out
+    if interpreter_upcast(q.dtype):  # the interpreter's bf16 dots are wrong: compute on float32 copies
+        result = mla_paged_attention(
+            q.float(), latent_cache.float(), block_table, seq_lens, v_head_dim=v_head_dim, softmax_scale=scale,
+            cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, num_splits=num_splits, return_lse=return_lse,
+            workspace=workspace, dependent_combine=dependent_combine, backend="triton", validate=False)
+        result, lse = result if return_lse else (result, None)
+        out = result.to(q.dtype) if out is None else out.copy_(result)
+        return (out, lse) if return_lse else out
+
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q.dtype, device=q.device)
+    batch = block_table.shape[0]
+    # LSE is stored [token, head]; the packed layout (H, total_q) is the same buffer read transposed.
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if decode else \
+        torch.empty(num_heads, num_tokens, dtype=torch.float32, device=q.device).t()
+    if num_tokens == 0 or batch == 0:
+        return (out, lse if decode else lse.t()) if return_lse else out
+    splits = plan.num_splits
+    if splits == 1:
+        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
+    else:
+        if workspace is None:
+            workspace = mla_workspace(num_tokens, num_heads, v_head_dim, max_splits=splits, device=q.device)
+        ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
+        require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens
+                and ws_out.shape[2:] == (num_heads, v_head_dim) and ws_lse.shape[:3] == ws_out.shape[:3]
+                and ws_out.dtype == ws_lse.dtype == torch.float32 and ws_out.device == q.device,
+                f"workspace {tuple(ws_out.shape)} cannot hold {splits} splits x {num_tokens} tokens x "
+                f"{num_heads} heads x {v_head_dim}")
+        part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
+    cfg = plan.config
+    rope = latent_cache.shape[3] - v_head_dim
+    grid = (batch * plan.q_tiles_per_seq, plan.head_blocks, splits)
+    mla_attention_kernel[grid](
+        q, latent_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,
+        q.stride(0), q.stride(1), latent_cache.stride(0), latent_cache.stride(1), block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        scale * math.log2(math.e), num_heads, splits, plan.q_tiles_per_seq,
+        LATENT=v_head_dim, ROPE=rope, BLOCK_L=next_power_of_2(v_head_dim), BLOCK_R=max(16, next_power_of_2(rope)),
+        BLOCK_H=plan.block_h, TOKENS=plan.tokens_per_tile, BLOCK_N=cfg.block_n, PAGE=latent_cache.shape[1],
+        DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
+        RELEASE_DEPENDENTS=plan.dependent_combine,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+    )
+    if splits > 1:
+        combine_splits_kernel[(num_tokens, num_heads)](
+            part_out, part_lse, out, lse, splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=v_head_dim, BLOCK_D=next_power_of_2(v_head_dim), BLOCK_S=next_power_of_2(splits),
+            AFTER_PRIMARY=plan.dependent_combine, **({"launch_pdl": True} if plan.dependent_combine else {}),
+        )
+    if not return_lse:
+        return out
+    return out, lse if decode else lse.t()
