@@ -22,7 +22,8 @@ EXPLAIN_DTYPES = ("float32", "float16", "bfloat16")
 def _benchmarks() -> list[str]:
     import ioattn.bench
 
-    skip = {"harness", "plot", "serve_offline", "serve_online", "workload", "datasets"}  # parts of benchmarks
+    # parts of benchmarks; mla runs as `ioattn bench decode --mla`
+    skip = {"harness", "plot", "serve_offline", "serve_online", "workload", "datasets", "mla"}
     return sorted(m.name for m in pkgutil.iter_modules(ioattn.bench.__path__) if m.name not in skip)
 
 

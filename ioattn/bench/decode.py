@@ -559,6 +559,8 @@ def _heads(text: str) -> list[tuple[int, int]]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="ioattn bench decode", description=__doc__.splitlines()[0])
+    p.add_argument("--mla", action="store_true",
+                   help="run the MLA (DeepSeek-V3 latent) decode benchmark instead: `--mla --help` lists its flags")
     p.add_argument("--quick", action="store_true", help="a few small rows (runs on the CPU too)")
     p.add_argument("--batches", type=harness.int_list, help="B values (default 1,8,64,256)")
     p.add_argument("--seqlens", type=harness.int_list, help="L values (default 1024,4096,16384,32768)")
@@ -617,6 +619,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
+    if "--mla" in argv:  # its own cases and flags: hand off before this parser sees them
+        from ioattn.bench import mla
+
+        return mla.main([a for a in argv if a != "--mla"])
     args = parse_args(argv)
     started = time.monotonic()
     cases = build_cases(args)

@@ -64,11 +64,14 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 
 
 def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
-    """Configurations worth timing for one shape on the GPU (pass each as `config=`)."""
-    heads = (16, 32, 64) if num_heads > 16 else (16,)
-    return [MLAConfig(block_h=h, block_m=max(64, h) if not decode else h, block_n=n, num_warps=w, num_stages=s)
-            for h in heads for n in (16, 32, 64) for w in (4, 8) for s in (1, 2, 3)
-            if not (h == 64 and w == 4)]
+    """Configurations worth timing for one shape on the GPU (pass each as `config=`): the sm_90 builds of these
+    hold their accumulator without spills (lab/aot.py --mla)."""
+    if num_heads <= 16:
+        shapes = [(16, n, w) for n in (16, 32, 64) for w in (4, 8)]
+    else:
+        shapes = [(16, 32, 4), *((h, n, 8) for h in (32, 64) for n in (16, 32))]
+    return [MLAConfig(block_h=h, block_m=h if decode else max(64, h), block_n=n, num_warps=w, num_stages=s)
+            for h, n, w in shapes for s in (1, 2, 3)]
 
 
 @dataclass(frozen=True)
