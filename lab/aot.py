@@ -7,6 +7,8 @@ pressure were found (see ioattn/kernels/paged_attention.py).
     PYTHONPATH=. python3 lab/aot.py [--block-n 64] [--warps 4] [--stages 2] [--maxnreg N]
         [--page 16] [--prefill] [--fp8 e4m3|e5m2]               # the paged kernel (the default: decode)
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers]    # the dense forward kernel
+        --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
+        --gluon [--head-dim 128] [--causal] [--fp16] [--stages N] [--block-n N]  # the Gluon sm_90 forward
 
 prints, for one configuration (bf16; paged: 32/8 heads, D=128; forward: 32/8 heads, the dense (B, N, H, D)
 layout), the cuobjdump resource line (REG: registers per thread, STACK: spill bytes), the shared memory, and
@@ -90,11 +92,52 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
 
+def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None):
+    """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
+    dim unless stages / block_n are given)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
+    from ioattn.ops.gluon_forward import BLOCK_M, gluon_config, tile_layout
+
+    cfg = gluon_config(head_dim)
+    block_n, stages = block_n or cfg.block_n, stages or cfg.stages
+    pingpong = cfg.pingpong if pingpong is None else pingpong
+    gl_dtype = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+
+    def desc(rows):
+        return f"tensordesc<{dtype}[1, {rows}, 1, {head_dim}],{tile_layout(rows, head_dim, gl_dtype)!r}>"
+
+    types = dict(q_desc=desc(BLOCK_M), o_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n),
+                 LSE="*fp32", qk_scale_log2="fp32")
+    constexprs = dict(CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
+                      PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
+                         {(kernel.arg_names.index("LSE"),): [["tt.divisibility", 16]]})
+    return triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
+
+
+def mla_kernel(block_h, tokens, block_n, warps, stages, page, decode, maxnreg=None):
+    """The absorbed MLA kernel as `ioattn.ops.mla` launches it for DeepSeek-V3's latent 512 + rope 64, bf16."""
+    from ioattn.kernels.mla_attention import mla_attention_kernel as kernel
+
+    types = {n: "i32" for n in kernel.arg_names}
+    types.update(Q="*bf16", Cache="*bf16", Out="*fp32", Lse="*fp32", scale_log2="fp32")
+    types.update({n: "*i32" for n in ("Block_table", "Seq_lens", "Cu_seqlens_q")})
+    aligned = [n for n in kernel.arg_names if (types.get(n, "").startswith("*") or n.startswith("stride_"))
+               and n not in kernel.do_not_specialize]
+    constexprs = dict(LATENT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=block_h, TOKENS=tokens, BLOCK_N=block_n,
+                      PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages)
+    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--block-n", type=int, default=64)
+    p.add_argument("--block-n", type=int, help="keys per tile (default 64; gluon: its head dim's config)")
     p.add_argument("--warps", type=int, default=4)
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--stages", type=int, help="pipeline stages (default 2; gluon: its head dim's config)")
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
@@ -104,13 +147,25 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128, help="forward: head dim")
     p.add_argument("--causal", action="store_true", help="forward: causal (the window's right bound at 0)")
     p.add_argument("--pointers", action="store_true", help="forward: pointer loads instead of tensor descriptors")
+    p.add_argument("--mla", action="store_true", help="the absorbed MLA kernel (latent 512 + rope 64)")
+    p.add_argument("--block-h", type=int, default=16, help="mla: query heads per program")
+    p.add_argument("--gluon", action="store_true", help="the Gluon warp-specialized forward (sm_90)")
+    p.add_argument("--fp16", action="store_true", help="gluon: fp16 instead of bf16")
+    p.add_argument("--no-pingpong", action="store_true", help="gluon: consumers issue their wgmmas unordered")
     args = p.parse_args()
-    if args.forward:
-        kernel = forward_kernel(args.block_m, args.block_n, args.warps, args.stages, args.head_dim, args.causal,
-                                not args.pointers, args.maxnreg)
+    if args.gluon:
+        kernel = gluon_forward_kernel(args.head_dim, args.causal, "fp16" if args.fp16 else "bf16", args.stages,
+                                      args.block_n, False if args.no_pingpong else None)
+    elif args.mla:
+        tokens = 1 if not args.prefill else max(1, args.block_m // args.block_h)
+        kernel = mla_kernel(args.block_h, tokens, args.block_n or 32, args.warps, args.stages or 2, args.page,
+                            not args.prefill, args.maxnreg)
+    elif args.forward:
+        kernel = forward_kernel(args.block_m, args.block_n or 64, args.warps, args.stages or 2, args.head_dim,
+                                args.causal, not args.pointers, args.maxnreg)
     else:
-        kernel = paged_kernel(128 if args.prefill else 16, args.block_n, args.warps, args.stages, args.page,
-                              not args.prefill, args.maxnreg, args.fp8)
+        kernel = paged_kernel(128 if args.prefill else 16, args.block_n or 64, args.warps, args.stages or 2,
+                              args.page, not args.prefill, args.maxnreg, args.fp8)
     allocs = re.findall(r"%(\w+) = ttg.local_alloc : \(\) -> !ttg.memdesc<([^,]+),", kernel.asm["ttgir"])
     print(resources(kernel))
     print(f"shared {kernel.metadata.shared} B; allocations: " + ", ".join(f"{n} {shape}" for n, shape in allocs))

@@ -1,0 +1,304 @@
+"""FlashAttention-3-style forward for sm_90 in Gluon: a TMA producer warp and two consumer warpgroups.
+
+One program covers 2 x BLOCK_M query rows of one (batch, head). Its warps split three ways
+(`gl.warp_specialize`):
+
+- the producer (1 warp, few registers) TMA-loads both Q tiles once, then streams K and V tiles through a
+  STAGES-deep shared-memory ring: per stage one ready and one empty mbarrier for K and another pair for V, so
+  S = Q·Kᵀ can start as soon as K lands while V is still in flight;
+- two consumer warpgroups (the default partition and one 4-warp worker), each owning its own BLOCK_M = 64-row
+  Q tile and reading the same K/V stages (the empty barriers count both consumers' arrivals). 64 rows is the
+  wgmma atom for one warpgroup and keeps S (64 x BLOCK_N fp32), O (64 x D fp32) and P (16-bit) in registers
+  without spills at D = 128 (a 128-row tile per warpgroup would need 256 accumulator registers per thread);
+  sharing each K/V tile between two Q tiles halves K/V traffic per query row. With PINGPONG the two take
+  turns issuing their wgmmas (a pair of mbarriers hands the turn over; FA3 uses named barriers), so one
+  warpgroup's softmax runs while the other's matmuls hold the tensor cores; without it they run unordered
+  and the warp scheduler interleaves them as it may.
+
+Inside a consumer the loop overlaps as FA3's intra-warpgroup pipelining: S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}
+are issued back to back as async wgmmas, the softmax of S_j runs while the P·V product is still in the tensor
+cores, and only then is O rescaled. The softmax is online in base 2 with a conditional rescale: the running
+max moves (and O, l are rescaled) only when some row's max grows by more than RESCALE_THRESHOLD (log2 units);
+otherwise P = exp2(S - stale max) stays below 2**RESCALE_THRESHOLD, and the result is exact because the final
+O / l and LSE use the same stale max.
+
+Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
+sequence's end read as zero and are clipped on store, per batch. Causal is aligned bottom-right (query i sees
+keys <= i + Nk - Nq). Rows that see no key get O = 0 and LSE = -inf. Scores are masked only on K/V tiles that
+cross the causal diagonal or the end of K. Programs run longest-first (the last query tiles, which see the
+most keys under causal, get the lowest program ids).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E = 1.4426950408889634
+_LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program, each with its own BLOCK_M-row Q tile
+
+
+@gluon.jit
+def _blocks_needed(rows_end, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """K/V tiles that query rows [.., rows_end) may see."""
+    if CAUSAL:
+        keys = gl.minimum(n_k, gl.maximum(rows_end + n_k - n_q, 0))
+    else:
+        keys = n_k
+    return gl.cdiv(keys, BLOCK_N)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, kv_head, m_start, n_q, n_k,
+              CAUSAL: gl.constexpr):
+    q_ready, k_ready, k_empty, v_ready, v_empty, turns = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    box_q: gl.constexpr = [1, BLOCK_M, 1, q_smem.shape[2]]
+    box_kv: gl.constexpr = [1, BLOCK_N, 1, k_smem.shape[2]]
+    for c in gl.static_range(CONSUMERS):
+        row_start = m_start + c * BLOCK_M
+        if row_start < n_q:  # as the consumer's `active`
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, row_start, head, 0], q_ready.index(c),
+                                            q_smem.index(c).reshape(box_q))
+    # the last consumer's rows see the most keys; the first skips the tiles past its own
+    n_blocks = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
+    for j in range(n_blocks):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
+                                        k_smem.index(stage).reshape(box_kv))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
+                                        v_smem.index(stage).reshape(box_kv))
+
+
+@gluon.jit
+def _mask_scores(s, j, rows, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    visible = keys[None, :] < n_k
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None] + (n_k - n_q))
+    return gl.where(visible, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr):
+    """One tile of the online softmax in base 2. Returns P, the new (m, l), whether O must be rescaled and by
+    what. With a positive threshold m only moves when some row's max grew by more than it: every row's P stays
+    below 2**threshold, and O, l, LSE all refer to the same m. With 0, m follows every row's max (FA2)."""
+    m_tile = gl.max(s, 1) * qk_scale_log2
+    m_new = gl.maximum(m_i, m_tile)
+    if RESCALE_THRESHOLD > 0:
+        growth = gl.where(m_new > m_i, m_new - m_i, 0.0)  # -inf vs -inf (no key seen yet) is no growth
+        rescale = gl.max(growth, 0) > RESCALE_THRESHOLD  # one decision per warpgroup: a uniform branch
+    else:
+        rescale = True
+    alpha = gl.full_like(m_i, 1.0)
+    if rescale:
+        # rows that have seen no key yet keep m = -inf; their O and l are 0, so any finite alpha does
+        alpha = gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new))
+        m_i = m_new
+        l_i = l_i * alpha
+    m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
+    p = gl.exp2(s * qk_scale_log2 - m_safe[:, None])
+    l_i = l_i + gl.sum(p, 1)
+    return p, m_i, l_i, rescale, alpha
+
+
+@gluon.jit
+def _take_turn(turns, c: gl.constexpr, slot, PINGPONG: gl.constexpr):
+    """Ping-pong: the consumers issue their wgmmas in alternation (consumer 0 first), so one warpgroup's
+    softmax runs while the other's matmuls hold the tensor cores. Consumer 1's slot k waits for consumer 0 to
+    hand over slot k; consumer 0's slot k for consumer 1 to hand over slot k - 1 (a fresh barrier lets slot 0
+    through)."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(c), (slot & 1) ^ (1 - c))
+
+
+@gluon.jit
+def _pass_turn(turns, c: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - c), count=1)
+
+
+@gluon.jit
+def _release(k_ready, k_empty, v_ready, v_empty, j):
+    """Give tile j's K and V stages back unread (once loaded: an early arrival would count for a later lap)."""
+    STAGES: gl.constexpr = k_ready.shape[0]
+    stage = j % STAGES
+    phase = (j // STAGES) & 1
+    mbarrier.wait(k_ready.index(stage), phase)
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.wait(v_ready.index(stage), phase)
+    mbarrier.arrive(v_empty.index(stage), count=1)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
+              qk_scale_log2, CAUSAL: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr):
+    q_ready, k_ready, k_empty, v_ready, v_empty, turns = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_M: gl.constexpr = q_smem.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    k_width: gl.constexpr = 256 // dtype.primitive_bitwidth
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, k_width])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, k_width])
+    # P feeds the second wgmma from registers: S's accumulator layout maps onto this operand layout in place
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=32 // dtype.primitive_bitwidth)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    gl.static_assert(STAGES >= 2, "ping-pong and the P·V lag need two K/V stages")
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    row_start = m_start + c * BLOCK_M
+    active = row_start < n_q  # the last program's second Q tile may lie wholly past the end of Q
+    rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
+    n_all = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
+    n_own = gl.where(active, _blocks_needed(row_start + BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N), 0)
+    # tiles before n_plain need no score mask: inside K's length and, under causal, left of every row's diagonal
+    n_plain = n_k // BLOCK_N
+    if CAUSAL:
+        n_plain = gl.minimum(n_plain, gl.maximum(row_start + n_k - n_q + 1, 0) // BLOCK_N)
+
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+
+    q = q_smem.index(c)
+    if active:
+        mbarrier.wait(q_ready.index(c), 0)  # also before O reuses the buffer when no tile is seen
+    if n_own > 0:
+        # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
+        mbarrier.wait(k_ready.index(0), 0)
+        _take_turn(turns, c, 0, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        _pass_turn(turns, c, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=[s])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if n_plain == 0:
+            s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+        p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, n_own):
+            stage = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+            _take_turn(turns, c, j, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
+            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+            _pass_turn(turns, c, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            if j >= n_plain:
+                s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+            p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
+            o, p = warpgroup_mma_wait(0, deps=[o, p])
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            if rescale:
+                o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+            p = gl.convert_layout(p_next.to(dtype), p_layout)
+        # slot n_own: the last tile's P·V
+        last = (n_own - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((n_own - 1) // STAGES) & 1)
+        _take_turn(turns, c, n_own, PINGPONG)
+        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+        _pass_turn(turns, c, PINGPONG)
+        o = warpgroup_mma_wait(0, deps=[o, p])[0]
+        mbarrier.arrive(v_empty.index(last), count=1)
+    # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
+    # hand over n_all + 1 times (a slot per tile, one for the last P·V): the one with fewer tiles of its own
+    # hands over idly, releasing tile k - 1 before idle slot k, so that the other never waits on a tile it holds
+    if PINGPONG:
+        slots_own = gl.where(n_own > 0, n_own + 1, 0)
+        for slot in range(slots_own, gl.where(n_all > 0, n_all + 1, 0)):
+            if slot > n_own:
+                _release(k_ready, k_empty, v_ready, v_empty, slot - 1)
+            _take_turn(turns, c, slot, PINGPONG)
+            _pass_turn(turns, c, PINGPONG)
+    else:
+        for j in range(n_own, n_all):
+            _release(k_ready, k_empty, v_ready, v_empty, j)
+
+    if active:
+        # O / l and LSE in natural log; rows that saw no key give 0 and -inf
+        seen = l_i > 0.0
+        inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+        o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+        lse_row = (batch * n_heads + head).to(gl.int64) * n_q
+        gl.store(LSE + lse_row + rows, lse, mask=rows < n_q)
+        # Q's buffer is free once the last S wgmma finished: stage O there for the TMA store (rows >= n_q clipped)
+        q.store(o.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], q.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+        tma.store_wait(0)
+
+
+# lengths and head counts stay runtime values: one build per (dtype, head dim, causal), whatever the shape
+@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])
+def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, qk_scale_log2,
+                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+    """Grid: (B * Hq, cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D].
+    LSE: float32 (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0)."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    tile_layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    tile_layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+
+    bh = gl.program_id(0)
+    batch = bh // n_heads
+    head = bh % n_heads
+    m_start = (gl.num_programs(1) - 1 - gl.program_id(1)) * (CONSUMERS * BLOCK_M)  # longest first
+
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_q)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turns.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    bars = (q_ready, k_ready, k_empty, v_ready, v_empty, turns)
+
+    # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
+    gl.warp_specialize([
+        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
+                     qk_scale_log2, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
+                     qk_scale_log2, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, head // group, m_start,
+                     n_q, n_k, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

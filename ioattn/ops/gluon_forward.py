@@ -1,0 +1,148 @@
+"""Launcher of the Gluon warp-specialized forward (`ioattn.kernels.gluon_fwd`), sm_90 only.
+
+`gluon_forward(q, k, v, causal=..., softmax_scale=...)` takes flash-attn's dense layout (B, N, H, D), returns
+(out, lse) as `ioattn.flash_attn_func(..., return_attn_probs=True)` does its first two results: out like q, LSE
+float32 (B, Hq, Nq) in natural log. Not wired into `ioattn.ops.dispatch` (yet): call it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+
+from ioattn.ops.capability import SIXTEEN_BIT
+
+BLOCK_M = 64  # query rows per consumer warpgroup: the wgmma atom (see the kernel's docstring)
+TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and strides
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonConfig:
+    block_n: int
+    stages: int  # depth of the K/V shared-memory ring
+    num_warps: int = 4  # the default partition: consumer warpgroup 0
+    consumer_regs: int = 240  # setmaxnreg of consumer warpgroup 1 (the default partition gets what is left)
+    producer_regs: int = 24  # the producer warp only issues TMA copies
+    maxnreg: int = 168  # 3 warpgroups x 128 threads x 168 = 64512 registers: one program per SM
+    rescale_threshold: float = 8.0  # log2 units: O is rescaled only when a row max grows by more; 0: always
+    pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
+
+
+# Shared memory per program: 2 Q tiles + stages x (K + V) tiles, under the 227 KB an sm_90 block may take.
+_CONFIGS = {
+    64: GluonConfig(block_n=128, stages=3),  # 16 KB + 3 x 32 KB
+    128: GluonConfig(block_n=128, stages=2),  # 32 KB + 2 x 64 KB
+    256: GluonConfig(block_n=64, stages=2),  # 64 KB + 2 x 64 KB
+}
+HEAD_DIMS = tuple(_CONFIGS)
+
+
+def gluon_config(head_dim: int) -> GluonConfig:
+    return _CONFIGS[head_dim]
+
+
+def tile_layout(rows: int, head_dim: int, dtype_name: str):
+    """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], getattr(gl, dtype_name))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, seqlen, nheads, headdim)")
+        if t.dtype not in SIXTEEN_BIT:
+            raise ValueError(f"{name}.dtype must be torch.float16 or torch.bfloat16, got {t.dtype}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be a CUDA tensor, got device {t.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        raise ValueError(f"q.device must be an sm_90 GPU (Hopper), got compute capability {major}.{minor}")
+    batch, _, hq, d = q.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q head dim must be one of {HEAD_DIMS}, got {d}")
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d:
+        raise ValueError(f"k and v must both be (batch={batch}, seqlen_k, nheads_k, headdim={d}), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] == 0 or hq % k.shape[2] != 0:
+        raise ValueError(f"q's heads ({hq}) must be a multiple of k/v's heads ({k.shape[2]})")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} "
+                             f"{out.dtype} on {out.device}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        if t is None or t.numel() == 0:
+            continue
+        if t.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous in its head dim (stride 1), got strides {t.stride()}")
+        if any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride())):
+            raise ValueError(f"{name} must not be expanded (a stride of 0, which TMA cannot step), got strides "
+                             f"{t.stride()}: pass a contiguous copy")
+        size = t.element_size()
+        if t.data_ptr() % TMA_ALIGN or any(s * size % TMA_ALIGN for s in _strides(t)[:3]):
+            raise ValueError(f"{name} must have a {TMA_ALIGN}-byte aligned base and strides for TMA, got data_ptr "
+                             f"{t.data_ptr():#x} and strides {t.stride()} ({size}-byte elements)")
+
+
+def _strides(t: torch.Tensor) -> list[int]:
+    """t's strides with those of size-1 dims (never stepped over, but TMA checks them) set to the span of the
+    dims inside them."""
+    strides, span = [], 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        strides.append(span if size == 1 else stride)
+        span = max(span, abs(strides[-1]) * size)
+    return strides[::-1]
+
+
+def _descriptor(t: torch.Tensor, rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = t.shape[3]
+    layout = tile_layout(rows, d, "bfloat16" if t.dtype == torch.bfloat16 else "float16")
+    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+
+
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                  softmax_scale: float | None = None, out: torch.Tensor | None = None,
+                  config: GluonConfig | None = None):
+    """Exact attention forward on sm_90 through the warp-specialized Gluon kernel. q: (B, Nq, Hq, D); k, v:
+    (B, Nk, Hkv, D) with Hq a multiple of Hkv; fp16 or bf16; D in HEAD_DIMS; causal aligned bottom-right
+    (flash-attn). Returns (out, lse): out like q (written into `out` when given), lse float32 (B, Hq, Nq),
+    natural log; rows that see no key give 0 and -inf. `config` overrides the head dim's `gluon_config` (the
+    lab's variants). Raises ValueError naming the argument for inputs the kernel does not take."""
+    _check(q, k, v, out)
+    batch, n_q, hq, d = q.shape
+    n_k, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not scale > 0.0 or not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, n_q, dtype=torch.float32, device=q.device)
+    if batch == 0 or n_q == 0 or hq == 0:
+        return out, lse
+    if n_k == 0:  # TMA boxes need a non-empty tensor; no key: O = 0, LSE = -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+
+    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+
+    cfg = gluon_config(d) if config is None else config
+    grid = (batch * hq, triton.cdiv(n_q, CONSUMERS.value * BLOCK_M))
+    gluon_fwd_kernel[grid](
+        _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
+        lse, n_q, n_k, hq, hq // hkv, scale * LOG2E,
+        CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
+        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )
+    return out, lse

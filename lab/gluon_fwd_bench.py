@@ -1,0 +1,141 @@
+"""Is the Gluon warp-specialized forward (ioattn.ops.gluon_forward) exact on the H200, and how fast is it against
+ioattn's Triton forward (`ioattn.flash_attn_func`) and torch SDPA's cuDNN backend, in one run?
+
+    PYTHONPATH=. python3 lab/gluon_fwd_bench.py [--variants] [--budget-s 85]     # writes $OUT/gluon_fwd.json
+
+bf16, B·N = 16k tokens, H·D = 2048 (D 64 and 128; N 2k, 8k, 16k; causal and not), plus the D=128 N=8k causal
+GQA 16/4 row of MEASURING.md. Each backend runs first on NaN-poisoned (gluon) or fresh outputs and is compared
+with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
+`ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
+4·B·H·Nq·Nk·D, halved for causal. `--variants` adds the kernel without ping-pong and with an unconditional
+rescale (threshold 0). The JSON is rewritten after every row; the run stops between rows past the budget.
+Without an sm_90 GPU it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from ioattn.bench import harness
+
+OUT = os.environ.get("OUT", "/tmp/out")
+SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64) for n in (16384, 8192, 2048)
+          for causal in (False, True)] + [(128, 8192, True, 16, 4)]
+TOKENS = 16384
+
+
+def _backends(variants: bool) -> dict:
+    import ioattn
+    from ioattn.ops.gluon_forward import gluon_config, gluon_forward
+
+    def gluon(**override):
+        def run(q, k, v, causal, out):
+            config = dataclasses.replace(gluon_config(q.shape[-1]), **override) if override else None
+            return gluon_forward(q, k, v, causal=causal, out=out, config=config)[0]
+        return run
+
+    def ioattn_fwd(q, k, v, causal, out):
+        return ioattn.flash_attn_func(q, k, v, causal=causal)
+
+    def cudnn(q, k, v, causal, out):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                 enable_gqa=k.shape[2] != q.shape[2])
+        return o.transpose(1, 2)
+
+    backends = {"gluon": gluon(), "ioattn": ioattn_fwd, "torch-cudnn": cudnn}
+    if variants:
+        backends.update({"gluon-no-pingpong": gluon(pingpong=False),
+                         "gluon-rescale-always": gluon(rescale_threshold=0.0)})
+    return backends
+
+
+def _error_vs_reference(out, q, k, v, causal) -> float:
+    from ioattn.reference import attention_ref, rel_error
+
+    ref, _ = attention_ref(q[:1, :, :1], k[:1, :, :1], v[:1, :, :1], causal=causal)
+    return rel_error(out[:1, :, :1], ref)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", action="store_true",
+                   help="also time the kernel without ping-pong and with an unconditional rescale")
+    p.add_argument("--budget-s", type=float, default=85.0, help="stop between rows past this many seconds")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        print("gluon_fwd_bench: needs an sm_90 GPU (the Gluon kernel does not run under the CPU interpreter)")
+        return 0
+    started = time.time()
+    from ioattn.reference import TOLERANCE
+
+    results = dict(disclosure=harness.collect_disclosure("cuda", " ".join(sys.argv)), rows=[], errors=[],
+                   flops="4*B*H*Nq*Nk*D, halved for causal", error="rel. Frobenius vs float64, batch 0, head 0")
+    os.makedirs(OUT, exist_ok=True)
+
+    def save():
+        with open(os.path.join(OUT, "gluon_fwd.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    results["ceilings"] = harness.measure_ceilings("cuda", [torch.bfloat16])
+    save()
+    backends = _backends(args.variants)
+    dtype = torch.bfloat16
+    for d, n, causal, hq, hkv in SHAPES:
+        if time.time() - started > args.budget_s:
+            results["not_run"] = results.get("not_run", []) + [[d, n, causal, hq, hkv]]
+            continue
+        batch = TOKENS // n
+        q = torch.randn(batch, n, hq, d, device="cuda", dtype=dtype)
+        k = torch.randn(batch, n, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn(batch, n, hkv, d, device="cuda", dtype=dtype)
+        flops = harness.attention_flops(batch, hq, n, n, d, causal=causal)
+        row_ms = {}
+        for name, fn in backends.items():
+            row = dict(backend=name, dtype="bfloat16", B=batch, Hq=hq, Hkv=hkv, Nq=n, Nk=n, D=d, causal=causal)
+            try:
+                out = torch.full_like(q, float("nan"))
+                err = _error_vs_reference(fn(q, k, v, causal, out), q, k, v, causal)
+                row["rel_error"] = err
+                if not err < TOLERANCE[dtype]:
+                    row["status"] = "wrong: not timed"
+                else:
+                    row["peak_mib"] = harness.peak_memory_mib(lambda: fn(q, k, v, causal, out), "cuda")
+                    row["ms"] = harness.time_ms(lambda: fn(q, k, v, causal, out), "cuda").ms
+                    row["tflops"] = harness.tflops(flops, row["ms"])
+                    row["status"] = "ok"
+                    row_ms[name] = row["ms"]
+            except Exception as exc:  # noqa: BLE001 — recorded, the sweep goes on
+                row["status"] = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+                results["errors"].append(dict(row=row, trace=traceback.format_exc()[-2000:]))
+            results["rows"].append(row)
+            print(json.dumps({k: row.get(k) for k in ("backend", "D", "Nq", "causal", "Hq", "Hkv", "ms", "tflops",
+                                                      "rel_error", "status")}), flush=True)
+            save()
+        # ratios once every backend of the shape has run (gluon runs first, before its peers)
+        for row in results["rows"][-len(backends):]:
+            if row["backend"].startswith("gluon") and "ms" in row:
+                for peer in ("ioattn", "torch-cudnn"):
+                    if peer in row_ms:
+                        row[f"speed_vs_{peer}"] = row_ms[peer] / row["ms"]
+        save()
+        del q, k, v
+        torch.cuda.empty_cache()
+    results["elapsed_s"] = time.time() - started
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

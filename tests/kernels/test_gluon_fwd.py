@@ -1,0 +1,191 @@
+"""The Gluon warp-specialized forward (ioattn.kernels.gluon_fwd, launched by ioattn.ops.gluon_forward).
+
+On any machine: the kernel builds for sm_90 ahead of time (Triton's wheel carries ptxas) into a cubin that is
+really warp-specialized (setmaxnreg, async wgmma) and spills nothing; the launcher's argument checks that need
+no GPU. On an H200 (`gpu`): the exactness matrix against the float64 reference, O and LSE, with `out` poisoned
+with NaN before every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ioattn.ops.gluon_forward import gluon_config, gluon_forward
+from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Built in a child process: this one may run Triton's CPU interpreter, whose library functions (the combine
+# functions of gl.max / gl.sum) cannot be compiled.
+_AOT_SCRIPT = """
+import json, sys
+import aot
+for head_dim, causal in json.loads(sys.argv[1]):
+    kernel = aot.gluon_forward_kernel(head_dim, causal, "bf16")
+    print(json.dumps(dict(head_dim=head_dim, causal=causal, cubin=kernel.asm["cubin"][:4].hex(),
+                          resources=aot.resources(kernel), shared=kernel.metadata.shared,
+                          setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"),
+                          wgmma=kernel.asm["ptx"].count("wgmma.mma_async"))))
+"""
+
+
+def test_aot_build_for_sm90_has_no_spills():
+    cases = [[64, False], [64, True], [128, False], [128, True]]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "lab")]))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [[b["head_dim"], b["causal"]] for b in builds] == cases
+    for b in builds:
+        assert b["cubin"] == "7f454c46", b  # an ELF image
+        assert "STACK:0 " in b["resources"] and "LOCAL:0 " in b["resources"], b  # no spills
+        assert b["setmaxnreg"] > 0 and b["wgmma"] > 0, b  # partitions re-balance registers; tensor-core matmuls
+        assert b["shared"] <= 227 * 1024, b
+
+
+def test_configs_fit_shared_memory():
+    for d in (64, 128, 256):
+        cfg = gluon_config(d)
+        tiles = 2 * 64 * d + cfg.stages * 2 * cfg.block_n * d
+        assert tiles * 2 <= 227 * 1024 - 1024, (d, cfg)
+        assert cfg.stages >= 2 and cfg.block_n >= 64
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(dtype=torch.float32), "q.dtype"),
+    (dict(), "q must be a CUDA tensor"),
+])
+def test_rejects_without_a_gpu(bad, match):
+    q = torch.zeros(1, 8, 2, 64, dtype=bad.get("dtype", torch.bfloat16))
+    with pytest.raises(ValueError, match=match):
+        gluon_forward(q, q, q, causal=False)
+
+
+def test_rejects_non_4d():
+    q = torch.zeros(8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="q must be a 4-D tensor"):
+        gluon_forward(q, q, q)
+
+
+# ---------------------------------------------------------------------------------------------------------- GPU
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon forward is sm_90 only")
+
+
+def _inputs(batch, n_q, n_k, hq, hkv, d, dtype, seed, scale=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, n_q, hq, d, device="cuda", dtype=dtype, generator=g) * scale
+    k = torch.randn(batch, n_k, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, n_k, hkv, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+def _check(q, k, v, causal, softmax_scale=None, config=None, poison=True):
+    out = torch.full_like(q, float("nan")) if poison else None
+    got, lse = gluon_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, config=config)
+    torch.cuda.synchronize()
+    if poison:
+        assert got.data_ptr() == out.data_ptr()
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    err, lerr = rel_error(got, ref), lse_error(lse, ref_lse)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert err < TOLERANCE[q.dtype], f"out error {err}"
+    assert lerr < 1e-3, f"LSE error {lerr}"
+
+
+MATRIX = [(b, n, d, causal, heads, dtype)
+          for b in (1, 2) for n in (1, 17, 128, 1000, 4096) for d in (64, 128) for causal in (False, True)
+          for heads in ((2, 2), (8, 2)) for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("b, n, d, causal, heads, dtype", MATRIX,
+                         ids=[f"B{b}-N{n}-D{d}-{'causal' if c else 'full'}-H{h[0]}.{h[1]}-{str(t)[6:]}"
+                              for b, n, d, c, h, t in MATRIX])
+def test_matches_reference(b, n, d, causal, heads, dtype):
+    _check(*_inputs(b, n, n, *heads, d, dtype, seed=hash((b, n, d, causal, heads)) % 2**31), causal)
+
+
+# Nq != Nk, causal bottom-right: Nq > Nk leaves the first Nq - Nk rows without keys (O = 0, LSE = -inf).
+RAGGED = [(1, 4096), (17, 1000), (128, 17), (1000, 128), (4096, 1000), (300, 5000), (64, 65), (129, 1)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n_q, n_k", RAGGED)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_ragged_lengths(n_q, n_k, d, causal, dtype):
+    _check(*_inputs(2, n_q, n_k, 8, 2, d, dtype, seed=n_q * 7919 + n_k), causal)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("pingpong, threshold", [(False, 8.0), (True, 0.0), (False, 0.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_variants(pingpong, threshold, causal):
+    for d in (64, 128):
+        config = dataclasses.replace(gluon_config(d), pingpong=pingpong, rescale_threshold=threshold)
+        for n_q, n_k in ((1000, 1000), (200, 3000), (3000, 200)):
+            _check(*_inputs(1, n_q, n_k, 8, 2, d, torch.bfloat16, seed=n_q + n_k), causal, config=config)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_growing_scores_exercise_the_rescale(causal):
+    """Scores that grow along K, far past the threshold, tile after tile: the stale-max path and the rescale
+    both run; large scales push P to its 2**threshold bound."""
+    q, k, v = _inputs(1, 1024, 4096, 4, 4, 128, torch.float16, seed=3)
+    ramp = torch.linspace(0.1, 4.0, k.shape[1], device="cuda", dtype=torch.float16)
+    k = (k * ramp[None, :, None, None]).contiguous()
+    q = (q.abs() * 2).to(torch.float16)
+    _check(q, k, v, causal, softmax_scale=0.5)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_strided_views_and_head_dim_256():
+    qkv = torch.randn(2, 777, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(2)  # (B, N, H, D) views: token stride 3 * H * D
+    _check(q, k, v, causal=True)
+    _check(q, k, v, causal=False, poison=False)
+    for causal in (False, True):
+        _check(*_inputs(1, 1000, 1000, 4, 2, 256, torch.bfloat16, seed=5), causal)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_empty_and_rejected_inputs():
+    q, k, v = _inputs(1, 16, 0, 2, 2, 64, torch.bfloat16, seed=0)
+    out, lse = gluon_forward(q, k, v)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    q, k, v = _inputs(1, 16, 16, 2, 2, 64, torch.bfloat16, seed=0)
+    with pytest.raises(ValueError, match="head dim"):
+        gluon_forward(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous())
+    with pytest.raises(ValueError, match="multiple of k/v's heads"):
+        three = torch.randn(1, 16, 3, 64, device="cuda", dtype=torch.bfloat16)
+        gluon_forward(q, three, three)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gluon_forward(q, k.half(), v)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        gluon_forward(torch.randn(1, 16, 2, 72, device="cuda", dtype=torch.bfloat16)[..., 4:68], k, v)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        gluon_forward(q, k, v, softmax_scale=-1.0)
+    assert math.isfinite(gluon_forward(q, k, v, causal=True)[1].max().item())
