@@ -295,8 +295,6 @@ class DenseCausalAttention:
     def attend_mla(self, q_nope, q_rope, latent, k_rope, layer_idx: int, projection) -> torch.Tensor:
         """Multi-head latent attention with no cache: each token's K/V expanded from its latent, `backend` as
         `expanded_attention` takes it ("auto": the varlen kernel on CUDA only); an MLA layer has no window."""
-        from ioattn.models.deepseek import expanded_attention  # deepseek imports this module
-
         k_nope, v = projection.expand(latent)
         return expanded_attention(q_nope, q_rope, k_nope, k_rope, v, self.cu_seqlens, self.cu_seqlens,
                                   self.max_seqlen, self.max_seqlen, projection.softmax_scale, backend=self.backend)
@@ -341,6 +339,60 @@ def _fused_ops():
     from ioattn.ops import fused
 
     return fused
+
+
+EXPANDED_BACKENDS = ("auto", "ioattn", "torch")
+
+
+def expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                       max_seqlen_k: int, softmax_scale: float, backend: str = "auto") -> torch.Tensor:
+    """Attention with K/V expanded from the latent: packed q_nope (Tq, H, dn), q_rope (Tq, H, dr), k_nope
+    (Tk, H, dn), k_rope (Tk, dr) shared by all heads, v (Tk, H, dv) -> (Tq, H, dv).
+
+    Q = [q_nope ‖ q_rope], K = [k_nope ‖ k_rope] per head. cu_seqlens_q/k: int32 (batch + 1,) prefix sums; causal
+    bottom-right per sequence: query i of sequence b sits at key position len_k_b - len_q_b + i (len_q <= len_k).
+    backend "auto": ioattn's `flash_attn_varlen_func` on CUDA, torch SDPA one sequence at a time elsewhere;
+    "ioattn" / "torch" force one. The varlen kernel needs V's head dim equal to Q/K's, so V is padded with
+    zeros to dn + dr and the output sliced: V's bytes and the P·V FLOPs grow by (dn + dr) / dv (1.5x for
+    V2/V3's 192 / 128), Q·K^T's do not.
+    """
+    if backend not in EXPANDED_BACKENDS:
+        raise ValueError(f"backend must be one of {EXPANDED_BACKENDS}, got {backend!r}")
+    heads, value_dim = q_nope.shape[1], v.shape[-1]
+    q = torch.cat((q_nope, q_rope), dim=-1)
+    k = torch.cat((k_nope, k_rope[:, None, :].expand(-1, heads, -1)), dim=-1)
+    varlen = _ioattn_varlen() if backend == "ioattn" or (backend == "auto" and q.is_cuda) else None
+    if backend == "ioattn" and varlen is None:
+        raise ValueError("backend 'ioattn' needs ioattn.ops.attention.flash_attn_varlen_func, which did not import")
+    if varlen is not None:
+        width = max(q.shape[-1], value_dim)
+        q, k, v = (_zero_padded(t, width) for t in (q, k, v))
+        out = varlen(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                     max_seqlen_k=max_seqlen_k, causal=True, softmax_scale=softmax_scale)
+        return out[..., :value_dim]
+    out = q.new_empty(q.shape[0], heads, value_dim)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q_start, q_end, k_start, k_end in zip(bounds_q[:-1], bounds_q[1:], bounds_k[:-1], bounds_k[1:]):
+        len_q, len_k = q_end - q_start, k_end - k_start
+        if len_q == 0:
+            continue
+        if len_q > len_k:
+            raise ValueError(f"a sequence has {len_q} queries but only {len_k} keys (causal needs len_q <= len_k)")
+        q_s = q[q_start:q_end].transpose(0, 1).unsqueeze(0)
+        k_s, v_s = (t[k_start:k_end].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        if len_q == len_k:
+            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=softmax_scale)
+        else:
+            key_pos = torch.arange(len_k, device=q.device)
+            query_pos = torch.arange(len_q, device=q.device) + (len_k - len_q)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, scale=softmax_scale)
+        out[q_start:q_end] = o_s.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _zero_padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
 @functools.cache
