@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from ioattn.bench import harness
-from ioattn.bench.harness import Row
+from ioattn.bench.harness import Row, block_table, capture_graph, layer_copies, layer_count
 from ioattn.engine.kv_scales import HEADROOM as FP8_HEADROOM  # the engine's calibration rule
 from ioattn.ops.fp8 import KV_CACHE_DTYPES, bytes_view, dequantize, quantize, scale_for_amax
 from ioattn.ops.paged import candidate_configs, paged_attention, paged_workspace, plan_paged_attention
@@ -96,18 +96,13 @@ def build_cases(args) -> list[Case]:
 # --- inputs -------------------------------------------------------------------------------------------------
 
 
-def _block_table(batch: int, blocks_per_seq: int, shuffled: bool, device) -> torch.Tensor:
-    order = torch.randperm(batch * blocks_per_seq) if shuffled else torch.arange(batch * blocks_per_seq)
-    return order.view(batch, blocks_per_seq).to(torch.int32).to(device)
-
-
 def paged_pool(k: torch.Tensor, v: torch.Tensor, page: int, shuffled: bool):
     """Dense k/v (B, L, Hkv, D) written into a pool of B·L/page blocks of `page` tokens, sequence b's blocks at
     the entries of row b of the returned block table (shuffled through the pool, or in order):
     (k_cache, v_cache, block_table)."""
     batch, length, heads, dim = k.shape
     blocks = length // page
-    table = _block_table(batch, blocks, shuffled, k.device)
+    table = block_table(batch, blocks, shuffled, k.device)
     k_cache = torch.empty(batch * blocks, page, heads, dim, dtype=k.dtype, device=k.device)
     v_cache = torch.empty_like(k_cache)
     k_cache[table.view(-1).long()] = k.reshape(batch * blocks, page, heads, dim)
@@ -119,40 +114,7 @@ def _contiguous_block(seqlen: int) -> int:
     return math.gcd(seqlen, CONTIGUOUS_BLOCK)
 
 
-def capture_graph(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str]:
-    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream), so that timing µs-scale kernels
-    times the GPU, not Python's launches: (the graph's replay, "CUDA graph"). On a CPU, or if capture fails,
-    (fn itself, "eager" or "eager (<error> in graph capture)"). A benchmark hook: `lab/` times through it too."""
-    if not device.startswith("cuda"):
-        return fn, "eager"
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay, "CUDA graph"
-    except Exception as exc:  # noqa: BLE001 — any capture failure means: time it eagerly, and say so
-        torch.cuda.synchronize()
-        return fn, f"eager ({type(exc).__name__} in graph capture)"
-
-
 # --- backends -----------------------------------------------------------------------------------------------
-
-
-def layer_count(case: Case, args, kv_bytes: int | None = None) -> int:
-    """How many distinct caches one timed graph runs through: as many as fit in --layers-gib, at most --layers.
-    kv_bytes: one cache's bytes, when not the case's dtype's (an fp8 cache)."""
-    return max(1, min(args.layers, int(args.layers_gib * 2**30 // (kv_bytes or case.kv_bytes))))
-
-
-def _layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[torch.Tensor, ...]]:
-    """`tensors` and layers - 1 copies of them at other addresses (the same values: each layer's output checks)."""
-    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(layers - 1)]
 
 
 def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool, config=None, num_splits=0,
@@ -166,7 +128,7 @@ def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool
     blocks = case.seqlen // block
     k_cache = k.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
     v_cache = v.view(case.batch * blocks, block, case.heads_kv, case.head_dim)
-    table = _block_table(case.batch, blocks, shuffled, q.device)
+    table = block_table(case.batch, blocks, shuffled, q.device)
     if shuffled:  # the same logical cache, its blocks scattered through the pool (fp8 moved as bytes)
         inverse = torch.empty_like(table.view(-1))
         inverse[table.view(-1).long()] = torch.arange(table.numel(), dtype=torch.int32, device=q.device)
@@ -175,7 +137,7 @@ def paged_decode_runner(case: Case, q, k, v, lens, *, block: int, shuffled: bool
     plan = plan_paged_attention(q, k_cache, table, decode=True, max_seqlen_q=1, num_splits=num_splits, config=config)
     workspace = paged_workspace(case.batch, case.heads_q, case.head_dim, max_splits=plan.num_splits, device=q.device)
     out = torch.empty_like(q)
-    caches = _layer_copies((k_cache, v_cache), layers)
+    caches = layer_copies((k_cache, v_cache), layers)
 
     def forward():
         for layer_k, layer_v in caches:
@@ -278,7 +240,7 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
         del k  # one layout at a time: the largest cases fill most of the GPU
         vt = v.transpose(1, 2).contiguous()
         del v
-        caches = _layer_copies((kt, vt), layers)
+        caches = layer_copies((kt, vt), layers)
         for name in peers:
             if not device.startswith("cuda"):
                 rows.append(Row(case.columns(), name, status="skipped: CUDA only"))

@@ -467,3 +467,45 @@ def write_outputs(args: argparse.Namespace, name: str, meta: dict[str, Any], row
         write_text(paths["md"], report)
         print(f"wrote {paths['md']}", flush=True)
     return paths
+
+
+# --- decode timing hooks (CUDA graphs over distinct cache copies) ----------------------------------------
+
+
+def capture_graph(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], str]:
+    """`fn` captured in a CUDA graph (after two warm-up calls on a side stream), so that timing µs-scale kernels
+    times the GPU, not Python's launches: (the graph's replay, "CUDA graph"). On a CPU, or if capture fails,
+    (fn itself, "eager" or "eager (<error> in graph capture)"). A benchmark hook: `lab/` times through it too."""
+    if not device.startswith("cuda"):
+        return fn, "eager"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, "CUDA graph"
+    except Exception as exc:  # noqa: BLE001 — any capture failure means: time it eagerly, and say so
+        torch.cuda.synchronize()
+        return fn, f"eager ({type(exc).__name__} in graph capture)"
+
+
+def layer_count(case, args, kv_bytes: int | None = None) -> int:
+    """How many distinct caches one timed graph runs through: as many as fit in --layers-gib, at most --layers.
+    kv_bytes: one cache's bytes, when not the case's dtype's (an fp8 cache)."""
+    return max(1, min(args.layers, int(args.layers_gib * 2**30 // (kv_bytes or case.kv_bytes))))
+
+
+def layer_copies(tensors: tuple[torch.Tensor, ...], layers: int) -> list[tuple[torch.Tensor, ...]]:
+    """`tensors` and layers - 1 copies of them at other addresses (the same values: each layer's output checks)."""
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(layers - 1)]
+
+
+def block_table(batch: int, blocks_per_seq: int, shuffled: bool, device) -> torch.Tensor:
+    """(batch, blocks_per_seq) int32: every block of a pool once, in shuffled or in table order."""
+    order = torch.randperm(batch * blocks_per_seq) if shuffled else torch.arange(batch * blocks_per_seq)
+    return order.view(batch, blocks_per_seq).to(torch.int32).to(device)

@@ -30,7 +30,7 @@ Rows per case (B sequences of L cached tokens each):
 - `torch-absorbed-matmul`: on the same contiguous copy, scores = (scale·q) @ kᵀ by bmm, softmax in float32, cast
   back, @ v by bmm (the scale folded into the B·H·576 query, not into the B·H·L scores).
 
-Timing as `ioattn bench decode` (its `capture_graph`, `layer_count`, layer copies): each backend in a CUDA graph
+Timing as `ioattn bench decode` (the harness's `capture_graph`, `layer_count`, `layer_copies`): each backend in a CUDA graph
 over `layers` distinct copies of the cache (up to `--layers` within `--layers-gib`), µs per layer. Outputs are
 filled with NaN after capture (and ioattn's out buffer before it), so an output the timed runs never wrote reads
 as error inf. Error: ‖out − ref‖_F / ‖ref‖_F on the first sequence against float64 `attention_ref`.
@@ -51,8 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ioattn.bench import harness
-from ioattn.bench.decode import _block_table, _layer_copies, capture_graph, layer_count
-from ioattn.bench.harness import Row
+from ioattn.bench.harness import Row, block_table, capture_graph, layer_copies, layer_count
 from ioattn.ops.mla import candidate_configs, explain_mla, mla_paged_attention, mla_workspace
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
@@ -154,7 +153,7 @@ def latent_pool(latent: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     """Dense latent rows (B, L, 576) written into a pool of B·L/block blocks in shuffled order:
     (latent_cache (num_blocks, block, 1, 576), block_table (B, L/block) int32)."""
     batch, length, dim = latent.shape
-    table = _block_table(batch, length // block, True, latent.device)
+    table = block_table(batch, length // block, True, latent.device)
     pool = torch.empty(batch * length // block, block, 1, dim, dtype=latent.dtype, device=latent.device)
     pool[table.view(-1).long()] = latent.view(-1, block, 1, dim)
     return pool, table
@@ -169,7 +168,7 @@ def ioattn_runner(q, pool, table, lens, args, layers: int, config=None, num_spli
     workspace = mla_workspace(q.shape[0], q.shape[1], LATENT_DIM, **({"max_splits": splits} if splits else {}),
                               device=q.device)
     out = torch.full((*q.shape[:2], LATENT_DIM), float("nan"), dtype=q.dtype, device=q.device)
-    pools = _layer_copies((pool,), layers)
+    pools = layer_copies((pool,), layers)
 
     def forward():
         for (layer_pool,) in pools:
@@ -328,7 +327,7 @@ def run_case(case: Case, args, ceilings: dict[str, Any]) -> list[Row]:
     if peers:
         contiguous = pool[table.long()].view(case.batch, 1, case.seqlen, ROW_DIM)  # the gather, outside timing
         del pool
-        caches = _layer_copies((contiguous,), layers)
+        caches = layer_copies((contiguous,), layers)
         if "torch-absorbed-sdpa" in peers:
             rows.append(best_sdpa(case, q, caches, ref, args, layers, ceilings))
         if "torch-absorbed-matmul" in peers:
