@@ -30,8 +30,8 @@ Rows per case (B sequences of L cached tokens each):
 - `torch-absorbed-matmul`: on the same contiguous copy, scores = (scale·q) @ kᵀ by bmm, softmax in float32, cast
   back, @ v by bmm (the scale folded into the B·H·576 query, not into the B·H·L scores).
 
-Timing as `ioattn bench decode` (the harness's `capture_graph`, `layer_count`, `layer_copies`): each backend in a CUDA graph
-over `layers` distinct copies of the cache (up to `--layers` within `--layers-gib`), µs per layer. Outputs are
+Timing as `ioattn bench decode` (the harness's `capture_graph`, `layer_count`, `layer_copies`): each backend in a
+CUDA graph over `layers` distinct copies of the cache (up to `--layers` within `--layers-gib`), µs per layer. Outputs are
 filled with NaN after capture (and ioattn's out buffer before it), so an output the timed runs never wrote reads
 as error inf. Error: ‖out − ref‖_F / ‖ref‖_F on the first sequence against float64 `attention_ref`.
 

@@ -11,7 +11,8 @@ sits at position seq_len - q_len + i.
 
 Splits divide a tile's visible key range as in `ioattn.kernels.paged_attention` (whose `_tile_blocks` reads
 the block table once per page of a key tile); each split writes its normalised partial and natural-log LSE for
-`ioattn.kernels.combine`, or with one split the final output. Rows that see no key give output 0 and LSE -inf, never NaN.
+`ioattn.kernels.combine`, or with one split the final output. Rows that see no key give output 0 and LSE -inf,
+never NaN.
 """
 
 import triton

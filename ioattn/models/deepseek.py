@@ -12,7 +12,8 @@ and calls `ctx.attend_mla(q_nope, q_rope, latent, k_rope, layer_idx, projection)
 `projection` is the layer's kv_b_proj as an `MLAProjection`. A context chooses the form: expand the latent into
 K/V and run ordinary attention (`MLAProjection.expand` + `expanded_attention`, which lives in ioattn.models.llama
 beside `DenseCausalAttention`, its user; the cheap form for long prefills), or cache only [latent ‖ k_rope]
-and fold W_UK into the query and W_UV after attention (`absorb` / `output`), so decode reads dl + dr values per cached token instead of H·(dn + dr + dv).
+and fold W_UK into the query and W_UV after attention (`absorb` / `output`), so decode reads dl + dr values per
+cached token instead of H·(dn + dr + dv).
 
 RoPE covers the dr rotary dimensions only. Checkpoints store them as adjacent pairs (rope_interleave; V2 always):
 they are de-interleaved into halves before Llama's rotation, which is exactly V3's HF code; V2's HF code leaves

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 import ioattn.kernels  # noqa: F401,I001  (first: on a CPU-only machine it selects the interpreter before triton loads)
-from ioattn.kernels.combine import combine_splits_kernel
 from ioattn.kernels.mla_attention import mla_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops import torch_paged
@@ -29,7 +28,8 @@ from ioattn.ops.checks import (
     softmax_scale_or_default,
 )
 from ioattn.ops.paged import (
-    MAX_SPLITS, PagedWorkspace, _dependent_launch_supported, _sm_count, choose_num_splits,
+    MAX_SPLITS, PagedWorkspace, _dependent_launch_supported, _sm_count, choose_num_splits, combine_splits,
+    paged_workspace, split_partials,
 )
 from ioattn.ops.paged_checks import (
     MAX_BLOCK_SIZE, check_block_table, check_int_vector, check_table_contents, dtypes_of, require,
@@ -105,11 +105,9 @@ class MLAPlan:
 
 def mla_workspace(max_tokens: int, num_heads: int, v_head_dim: int, *, max_splits: int = MAX_SPLITS,
                   device=None) -> PagedWorkspace:
-    """Split scratch, allocated once for the largest batch (tokens = batch for decode) and reused every step."""
-    return PagedWorkspace(
-        torch.empty(max_splits, max_tokens, num_heads, v_head_dim, dtype=torch.float32, device=device),
-        torch.empty(max_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
-    )
+    """Split scratch (`ioattn.ops.paged.paged_workspace` over v_head_dim), allocated once for the largest batch
+    (tokens = batch for decode) and reused every step."""
+    return paged_workspace(max_tokens, num_heads, v_head_dim, max_splits=max_splits, device=device)
 
 
 def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v_head_dim: int, num_splits: int = 0,
@@ -163,7 +161,8 @@ def _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen
     require(q.dtype in dtypes, f"q dtype must be one of {dtypes}, got {q.dtype}")
     require(q.stride(-1) == 1, "q must be contiguous in its last dim (stride(-1) == 1)")
     _check_latent_cache(latent_cache, v_head_dim, dtypes)
-    require(latent_cache.dtype == q.dtype, f"q and latent_cache must share a dtype, got {q.dtype}, {latent_cache.dtype}")
+    require(latent_cache.dtype == q.dtype,
+            f"q and latent_cache must share a dtype, got {q.dtype}, {latent_cache.dtype}")
     require(q.shape[2] == latent_cache.shape[3], f"q's last dim {q.shape[2]} != latent_cache's {latent_cache.shape[3]}")
     require(q.shape[1] >= 1, f"q must have at least one head, got shape {tuple(q.shape)}")
     require(q.device == latent_cache.device, f"q is on {q.device} but latent_cache is on {latent_cache.device}")
@@ -281,18 +280,7 @@ def mla_paged_attention(
     if num_tokens == 0 or batch == 0:
         return (out, lse if decode else lse.t()) if return_lse else out
     splits = plan.num_splits
-    if splits == 1:
-        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        if workspace is None:
-            workspace = mla_workspace(num_tokens, num_heads, v_head_dim, max_splits=splits, device=q.device)
-        ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
-        require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens
-                and ws_out.shape[2:] == (num_heads, v_head_dim) and ws_lse.shape[:3] == ws_out.shape[:3]
-                and ws_out.dtype == ws_lse.dtype == torch.float32 and ws_out.device == q.device,
-                f"workspace {tuple(ws_out.shape)} cannot hold {splits} splits x {num_tokens} tokens x "
-                f"{num_heads} heads x {v_head_dim}")
-        part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
+    part_out, part_lse = split_partials(out, lse, splits, workspace)
     cfg = plan.config
     rope = latent_cache.shape[3] - v_head_dim
     grid = (batch * plan.q_tiles_per_seq, plan.head_blocks, splits)
@@ -309,14 +297,7 @@ def mla_paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
-        combine_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, lse, splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=v_head_dim, BLOCK_D=next_power_of_2(v_head_dim), BLOCK_S=next_power_of_2(splits),
-            AFTER_PRIMARY=plan.dependent_combine, **({"launch_pdl": True} if plan.dependent_combine else {}),
-        )
+        combine_splits(part_out, part_lse, out, lse, plan.dependent_combine)
     if not return_lse:
         return out
     return out, lse if decode else lse.t()

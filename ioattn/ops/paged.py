@@ -408,17 +408,7 @@ def paged_attention(
         return (out, lse if decode else lse.t()) if return_lse else out
 
     splits = plan.num_splits
-    if splits == 1:
-        part_out, part_lse = out.unsqueeze(0), lse.unsqueeze(0)
-    else:
-        if workspace is None:
-            workspace = paged_workspace(num_tokens, num_heads, head_dim, max_splits=splits, device=q.device)
-        ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
-        require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens and ws_out.shape[2:] == (num_heads, head_dim)
-                 and ws_lse.shape[:3] == ws_out.shape[:3] and ws_out.dtype == ws_lse.dtype == torch.float32,
-                 f"workspace {tuple(ws_out.shape)} cannot hold {splits} splits x {num_tokens} tokens x "
-                 f"{num_heads} heads x {head_dim}")
-        part_out, part_lse = ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
+    part_out, part_lse = split_partials(out, lse, splits, workspace)
 
     cfg = plan.config
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
@@ -439,17 +429,41 @@ def paged_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
-        combine_splits_kernel[(num_tokens, num_heads)](
-            part_out, part_lse, out, lse, splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
-            AFTER_PRIMARY=plan.dependent_combine, **({"launch_pdl": True} if plan.dependent_combine else {}),
-        )
+        combine_splits(part_out, part_lse, out, lse, plan.dependent_combine)
     if not return_lse:
         return out
     return out, lse if decode else lse.t()
+
+
+def split_partials(out: torch.Tensor, lse: torch.Tensor, splits: int, workspace: PagedWorkspace | None):
+    """Where a launch of `splits` splits writes its partials for out (tokens, heads, D) and lse (tokens, heads):
+    the outputs themselves for one split, else the workspace (allocated for this call when None)."""
+    if splits == 1:
+        return out.unsqueeze(0), lse.unsqueeze(0)
+    num_tokens, num_heads, head_dim = out.shape
+    if workspace is None:
+        workspace = paged_workspace(num_tokens, num_heads, head_dim, max_splits=splits, device=out.device)
+    ws_out, ws_lse = workspace.partial_out, workspace.partial_lse
+    require(ws_out.shape[0] >= splits and ws_out.shape[1] >= num_tokens and ws_out.shape[2:] == (num_heads, head_dim)
+            and ws_lse.shape[:3] == ws_out.shape[:3] and ws_out.dtype == ws_lse.dtype == torch.float32
+            and ws_out.device == out.device,
+            f"workspace {tuple(ws_out.shape)} on {ws_out.device} cannot hold {splits} splits x {num_tokens} tokens x "
+            f"{num_heads} heads x {head_dim} on {out.device}")
+    return ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
+
+
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   dependent: bool) -> None:
+    """The exact LSE merge of split partials into out / lse; dependent: by programmatic dependent launch."""
+    splits, num_tokens, num_heads, head_dim = part_out.shape
+    combine_splits_kernel[(num_tokens, num_heads)](
+        part_out, part_lse, out, lse, splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
+        AFTER_PRIMARY=dependent, **({"launch_pdl": True} if dependent else {}),
+    )
 
 
 def _gathered_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, window, scale,
