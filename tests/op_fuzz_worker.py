@@ -352,9 +352,46 @@ def run_block_copy(case, device):
     return _compare("dst", dst.float(), want, torch.float32)
 
 
+def run_mla(case, device):
+    """mla_paged_attention (decode, or multi-token with cu_seqlens_q) against the float64 reference: one shared
+    KV head whose K is each whole latent row and V its first v_head_dim columns."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    page, latent, rope, heads = case["page"], case["latent"], case["rope"], case["heads"]
+    lens = case["seq_lens"]
+    width = max(1, max((n + page - 1) // page for n in lens))
+    num_blocks = case["batch"] * width
+    cache = _random((num_blocks, page, 1, latent + rope), dtype, gen, device)
+    table = _table(case, gen, num_blocks, width, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    if case["lens"] == "past_capacity":
+        seq_lens[0] = width * page + 1
+    elif case["lens"] == "negative":
+        seq_lens[0] = -3
+    seq_lens = seq_lens.to(device)
+    decode = case["q_lens"] is None
+    q_lens = [1] * len(lens) if decode else case["q_lens"]
+    q = _random((sum(q_lens), heads, latent + rope + case["q_extra"]), dtype, gen, device)
+    cu = None if decode else _cu(q_lens, device, case["cu_q"], q.shape[0])
+    out = ioattn.mla_paged_attention(q, cache, table, seq_lens, v_head_dim=case["v_head_dim"], cu_seqlens_q=cu,
+                                     softmax_scale=case["scale"], num_splits=case["splits"],
+                                     backend=case.get("backend", "auto"))
+    rows_of = cache.reshape(-1, latent + rope).cpu()
+    outs, start = [], 0
+    for b, (n, m) in enumerate(zip(lens, q_lens)):
+        blocks = table[b].long().cpu()
+        positions = torch.arange(n)
+        rows = rows_of[blocks[positions // page] * page + positions % page][:, None]
+        o, _ = attention_ref(q[start : start + m].cpu()[None], rows[None], rows[None, ..., :latent], causal=True,
+                             softmax_scale=case["scale"])
+        outs.append(o[0])
+        start += m
+    return _compare("out", out, torch.cat(outs), dtype)
+
+
 RUNNERS = {"flash_attn_func": run_dense, "flash_attn_varlen_func": run_varlen, "sdpa": run_sdpa,
            "paged_attention": run_paged, "reshape_and_cache": run_cache_write, "copy_blocks": run_block_copy,
-           "swap_blocks": run_block_copy}
+           "swap_blocks": run_block_copy, "mla_paged_attention": run_mla}
 
 
 def run(case: dict) -> dict:

@@ -28,7 +28,8 @@ CASE_TIMEOUT_S = 300
 ARGUMENT_WORDS = ("q", "k", "v", "key", "value", "query", "cu_seqlens", "max_seqlen", "window_size", "softmax_scale",
                   "scale", "backend", "deterministic", "block_table", "seq_lens", "slot_mapping", "block_mapping",
                   "k_cache", "v_cache", "attn_mask", "num_splits", "sink_tokens", "head", "dtype", "src", "dst",
-                  "sequence", "gather", "causal", "enable_gqa", "cache", "heads", "k_scale", "v_scale")
+                  "sequence", "gather", "causal", "enable_gqa", "cache", "heads", "k_scale", "v_scale",
+                  "latent_cache", "v_head_dim")
 
 
 class Worker:
@@ -180,6 +181,32 @@ def paged_cases(draw):
 
 
 @st.composite
+def mla_cases(draw):
+    batch = draw(st.integers(1, 3))
+    lens = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    decode = draw(st.booleans())
+    q_lens = None if decode else [draw(st.integers(0, n)) for n in lens]
+    case = knobs(draw, dict(
+        seed=SEEDS, dtype=DTYPES, page=st.sampled_from([1, 2, 4, 16, 64, 256]), heads=st.sampled_from([1, 3, 16, 20]),
+        latent=st.sampled_from([32, 48]), rope=st.sampled_from([8, 16]), v_head_dim=st.just("latent"),
+        q_extra=st.just(0), scale=SCALES, splits=st.sampled_from([0, 1, 3, 64]), table=st.just("ok"),
+        lens=st.just("ok"), cu_q=st.just("ok"), extra_query=st.just(False), backend=BACKENDS,
+    ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, page=st.sampled_from([3, 512]), scale=BAD_SCALES,
+            splits=st.sampled_from([-1, 65, 1.0]), v_head_dim=st.sampled_from([0, 7, 2048, "all", None]),
+            q_extra=st.sampled_from([8, -8]), heads=st.sampled_from([0]),
+            table=st.sampled_from(["oob", "num_blocks", "negative", "evicted", "transposed"]),
+            lens=st.sampled_from(["past_capacity", "negative"]), extra_query=st.just(not decode),
+            cu_q=st.sampled_from(["ok"] if decode else ["strided", "short_end", "decreasing"])))
+    if case["v_head_dim"] == "latent":
+        case["v_head_dim"] = case["latent"]
+    elif case["v_head_dim"] == "all":  # no RoPE part left
+        case["v_head_dim"] = case["latent"] + case["rope"]
+    if case.pop("extra_query"):
+        q_lens[0] = lens[0] + 1  # more queries than keys
+    return dict(op="mla_paged_attention", batch=batch, seq_lens=lens, q_lens=q_lens, **case)
+
+
+@st.composite
 def cache_write_cases(draw):
     case = knobs(draw, dict(
         seed=SEEDS, dtype=DTYPES, page=st.sampled_from([1, 4, 16]), Hkv=st.sampled_from([1, 3]),
@@ -218,6 +245,12 @@ def test_sdpa_fuzz(worker, case):
 @fuzz_settings
 @given(case=paged_cases())
 def test_paged_attention_fuzz(worker, case):
+    check(worker, case)
+
+
+@fuzz_settings
+@given(case=mla_cases())
+def test_mla_paged_attention_fuzz(worker, case):
     check(worker, case)
 
 
@@ -281,7 +314,7 @@ def test_known_findings(worker, index):
 
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=st.one_of(dense_cases(), varlen_cases(), sdpa_cases(), paged_cases(), cache_write_cases(),
+@given(case=st.one_of(dense_cases(), varlen_cases(), sdpa_cases(), paged_cases(), mla_cases(), cache_write_cases(),
                       block_copy_cases()))
 def test_every_op_fuzz_long(worker, case):
     check(worker, case)
