@@ -26,5 +26,15 @@ def device():
     return "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of tiny ops (small models, the paged CPU path's thousands of small ops a
+    step): on a shared 2-core machine OpenMP's barriers make two threads several times slower than one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_report_header(config):
     return f"ioattn tests: cuda={HAS_CUDA} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}"

@@ -27,14 +27,7 @@ FLOAT64_RTOL = 1e-10
 NLL_ATOL = 1e-3  # per token, nats: the same weights, float32 on both sides
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: the paged CPU path runs thousands of small ops a step, and on shared cores OpenMP's
-    barriers make two threads several times slower than one (2 busy cores: 45 s against 9 s for the smollm2 run)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

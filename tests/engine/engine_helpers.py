@@ -1,5 +1,6 @@
 """Shared by the engine tests: the tiny model, a full-recompute greedy reference, and an engine driver."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -91,3 +92,23 @@ def assert_all_free(engine: LLMEngine) -> None:
     stats = engine.kv.stats()
     assert stats.blocks_used == 0 and stats.cpu_blocks_used == 0, stats
     assert not engine.kv.seqs and not engine.scheduler.has_unfinished()
+
+
+@contextlib.contextmanager
+def kernels_compiled():
+    """Yields the list of Triton kernels compiled inside the block, by name (GPU tests: none may compile while
+    serving, since one compiled mid-step stalls it for seconds)."""
+    from triton import knobs
+
+    compiled = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def record(*, fn, **_):
+        compiled.append(fn.name)
+        return False
+
+    knobs.runtime.jit_cache_hook = record
+    try:
+        yield compiled
+    finally:
+        knobs.runtime.jit_cache_hook = previous

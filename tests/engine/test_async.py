@@ -19,13 +19,7 @@ from engine_helpers import assert_all_free, greedy, make_engine, prompt, referen
 from ioattn.engine.llm_engine import EngineConfig
 from ioattn.engine.sampling import BeamSearchParams, SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def model(num_layers=None):

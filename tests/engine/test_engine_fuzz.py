@@ -22,17 +22,11 @@ from ioattn.engine.scheduler import Scheduler, SchedulerConfig
 from ioattn.engine.sequence import SequenceStatus
 from ioattn.kv import KVCacheManager
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VOCAB = 512  # the tiny preset's
 MAX_NUM_SEQS = 6
 MAX_MODEL_LEN = 32
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def small_engine(**kwargs):

@@ -4,7 +4,7 @@ copies and swaps, and KV pool sizing from gpu_memory_utilization. Run on the dev
 import pytest
 import torch
 
-from engine_helpers import assert_all_free, greedy, make_engine, prompt, reference_greedy, run_all
+from engine_helpers import assert_all_free, greedy, kernels_compiled, make_engine, prompt, reference_greedy, run_all
 from ioattn.engine.llm_engine import EngineConfig, LLMEngine
 
 pytestmark = pytest.mark.gpu
@@ -125,22 +125,10 @@ def test_no_kernel_compiles_while_serving():
     """After the engine is built, steps of every shape (long chunks taking the gathered path, short chunks on the
     paged kernel, eager decode rows that split, CUDA-graph decodes) run kernels compiled at start-up only: one
     compiled mid-serving stalls its step for seconds."""
-    from triton import knobs
-
     engine = LLMEngine("tiny", EngineConfig(device="cuda", max_model_len=2048, max_num_seqs=16, num_blocks=2048,
                                             max_num_batched_tokens=1024))
-    compiled = []
-    previous = knobs.runtime.jit_cache_hook
-
-    def record(*, fn, **_):
-        compiled.append(fn.name)
-        return False
-
-    knobs.runtime.jit_cache_hook = record
-    try:
+    with kernels_compiled() as compiled:
         for i, (length, output) in enumerate([(900, 6), (1500, 4), (37, 9), (5, 12), (613, 3), (1, 7), (260, 5)]):
             engine.add_request(f"c{i}", prompt_token_ids=prompt(length, i), params=greedy(output))
         run_all(engine)
-    finally:
-        knobs.runtime.jit_cache_hook = previous
     assert compiled == []
