@@ -15,11 +15,12 @@ colocated engine's token for token.
 Control messages go over a multiprocessing pipe (pollable, and it closes when a process dies): decode -> prefill
 `(PREFILL, ticket, token ids)` or `(STOP,)`; prefill -> decode `(SHIPPED, ticket, n_blocks)` or `(STOPPED,)`. The
 blocks themselves go through torch.distributed send/recv right after their SHIPPED message: digests (n_blocks, 32)
-uint8, then KV (layers, 2, n_blocks, block_size, kv_heads, head_dim) in the cache's dtype (an fp8 cache's blocks
-travel as their bytes, quantized once, by the prefill worker). Both sides resolve the same settings, so an fp8
-cache has the same scales on both (calibrated alike, or given); the prefix key holds the cache's dtype and scales,
-so blocks of another format never match the decode side's hashes (`RuntimeError`, not garbage). A dead peer makes
-the decode side raise `WorkerDiedError` (it polls the process while waiting, within the engine's timeout).
+uint8, then KV (layers, caches_per_layer, n_blocks, block_size, kv_heads, head_dim) in the cache's dtype (K and V,
+or an MLA model's one latent cache; an fp8 cache's blocks travel as their bytes, quantized once, by the prefill
+worker). Both sides resolve the same settings, so an fp8 cache has the same scales on both (calibrated alike, or
+given); the prefix key holds the cache's dtype and scales, so blocks of another format never match the decode side's
+hashes (`RuntimeError`, not garbage). A dead peer makes the decode side raise `WorkerDiedError` (it polls the
+process while waiting, within the engine's timeout).
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class DisaggregatedEngine(LLMEngine):
             device = self.runner.device
             digests = torch.empty(num_blocks, DIGEST_SIZE, dtype=torch.uint8, device=device)
             dist.recv(digests, src=PREFILL_RANK)
-            shape = (self.runner.config.num_layers, 2, num_blocks, *self.attention.k_caches[0].shape[1:])
+            shape = (self.runner.config.num_layers, self.attention.caches_per_layer, num_blocks,
+                     *self.attention.k_caches[0].shape[1:])
             kv = torch.empty(shape, dtype=self.attention.cache_dtype, device=device)
             dist.recv(bytes_view(kv), src=PREFILL_RANK)
             self._import_blocks(args["prompt_token_ids"], [bytes(row) for row in digests.tolist()], kv)

@@ -44,6 +44,10 @@ class ShardPlan:
         c, tp = self.config, self.world_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        # The shards split Llama's projections; an MLA model's latent and kv_b_proj have no split here yet.
+        if c.mla is not None:
+            raise ValueError(f"tensor parallelism (tensor_parallel_size={tp}) is not supported for MLA models "
+                             f"({c.model_type}) yet: serve them with LLM(..., tensor_parallel_size=1), one process")
         if c.num_heads % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({c.num_heads})")
         if c.num_kv_heads % tp and tp % c.num_kv_heads:

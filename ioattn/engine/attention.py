@@ -9,6 +9,14 @@ slots, then attention over each sequence's blocks. Rows of one token (the schedu
 attend through the decode path; the packed chunks after them as multi-token queries, each call seeing only its own
 rows' widest table (the split heuristic and the gathered path size themselves from the table width).
 
+MLA models (DeepSeek-V2/V3, `config.mla`): one latent cache per layer, (num_blocks, block_size, 1, kv_lora_rank +
+qk_rope_head_dim) in the model's dtype, each token's [latent ‖ k_rope] row, and no V cache; the layers call
+`ctx.attend_mla(q_nope, q_rope, latent, k_rope, layer_idx, projection)`. Decode rows attend in the absorbed form
+(`projection.absorb` folds W_UK into the query, `ioattn.ops.mla.mla_paged_attention` reads only the latent rows,
+`projection.output` applies W_UV); the multi-token rows gather their whole context's latent rows from the cache,
+expand them to per-head K/V and run `expanded_attention`, as the model's own dense path does. No window, sinks or
+fp8 for MLA yet.
+
 FP8 caches (`kv_cache_dtype`): the caches hold fp8, each layer's K and V scales (float32, one per KV head, see
 `ioattn.engine.kv_scales`) live here on the device and go to every cache write and attention call; blocks move
 as bytes (copies, swaps, export/import); `prefix_key()` is the identity of the cache's dtype and scales, which the
@@ -28,14 +36,58 @@ import torch
 
 from ioattn.engine.transfer import to_device
 from ioattn.engine.kv_scales import KVScales
+from ioattn.models.deepseek import expanded_attention
 from ioattn.ops.cache import copy_blocks, reshape_and_cache, swap_blocks
 from ioattn.ops import torch_paged
-from ioattn.ops.checks import checks_contents, normalized_window, softmax_scale_or_default
+from ioattn.ops.checks import (
+    HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, checks_contents, normalized_window, softmax_scale_or_default,
+)
 from ioattn.ops.fp8 import bytes_view, is_fp8, kv_cache_dtype_name
+from ioattn.ops.mla import compile_mla_variants, mla_paged_attention, mla_workspace
 from ioattn.ops.paged import compile_variants, paged_attention, paged_workspace
 from ioattn.ops.paged_checks import check_slot_contents, check_table_contents
 
 BACKENDS = ("auto", "triton", "torch")
+# The expanded MLA prefill's backend for each of ours: the varlen kernel's entry point, or torch SDPA.
+EXPANDED_BACKEND = {"triton": "ioattn", "torch": "torch"}
+
+
+def caches_per_layer(config) -> int:
+    """Caches a layer holds: K and V, or an MLA model's single latent cache."""
+    return 1 if config.mla is not None else 2
+
+
+def latent_row_split(width: int) -> int:
+    """How many equal "heads" a latent row of `width` values is written as: the fewest whose width
+    `reshape_and_cache` takes (a multiple of 8, at most 256; 576 -> 3 x 192). The row is contiguous, so any split
+    writes the same bytes."""
+    for parts in range(1, width // HEAD_DIM_MULTIPLE + 1):
+        if width % parts == 0 and width // parts <= MAX_HEAD_DIM and (width // parts) % HEAD_DIM_MULTIPLE == 0:
+            return parts
+    raise ValueError(f"an MLA cache row of {width} values (kv_lora_rank + qk_rope_head_dim) must be a multiple of "
+                     f"{HEAD_DIM_MULTIPLE} for the Triton cache writes")
+
+
+@dataclass(frozen=True)
+class LatentContext:
+    """Where a step's multi-token rows find their whole context in a latent cache: the flat slot of each context
+    position (the rows' contexts back to back), their prefix sums, and a bound on the longest (the table width)."""
+
+    slots: torch.Tensor  # (context tokens,) int64
+    cu_seqlens_k: torch.Tensor  # (rows + 1,) int32
+    max_seqlen_k: int
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, seq_lens: torch.Tensor, total: int, block_size: int) -> LatentContext:
+        """block_table (rows, width) int32, seq_lens (rows,): the multi-token rows'; total = seq_lens.sum(), known on
+        the host (so that no device value is read back)."""
+        lens = seq_lens.long()
+        cu = torch.zeros(lens.shape[0] + 1, dtype=torch.int64, device=lens.device)
+        torch.cumsum(lens, 0, out=cu[1:])
+        rows = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+        positions = torch.arange(total, device=lens.device) - cu[rows]
+        blocks = block_table[rows, positions // block_size].long()
+        return cls(blocks * block_size + positions % block_size, cu.to(torch.int32), block_table.shape[1] * block_size)
 
 
 @dataclass
@@ -53,12 +105,19 @@ class StepAttention:
     decode_rows: int = 0
     # The table columns the decode rows and the other rows use.
     table_widths: tuple[int, int] | None = None
+    # MLA: the multi-token rows' context tokens (the host's sum of their seq_lens), and where those tokens sit in
+    # the latent cache, worked out at the first layer and shared by all.
+    chunk_context_tokens: int = 0
+    latent_context: LatentContext | None = field(default=None, repr=False)
     # torch backend: where the rows read the cache, per window, worked out at the first layer and shared by all.
     cache_reads: dict[tuple[int, int], torch_paged.CacheReads] = field(default_factory=dict, repr=False)
     cache_writes: torch_paged.CacheWrites | None = field(default=None, repr=False)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
         return self.owner.attend(q, k, v, layer_idx, self)
+
+    def attend_mla(self, q_nope, q_rope, latent, k_rope, layer_idx: int, projection) -> torch.Tensor:
+        return self.owner.attend_mla(q_nope, q_rope, latent, k_rope, layer_idx, projection, self)
 
 
 class PagedAttention:
@@ -71,7 +130,16 @@ class PagedAttention:
         attention, every layer seeing the first kv_sinks tokens and the last kv_window (itself included), so that
         the KV manager's `evict_window(seq, kv_sinks, kv_window)` may release the blocks in between (None: the
         model's own windows). kv_cache_dtype: None (the model's dtype) or an fp8 format, which needs `kv_scales`
-        ((num_layers, num_kv_heads) for K and V)."""
+        ((num_layers, num_kv_heads) for K and V). An MLA config (`config.mla`) gets one latent cache per layer and
+        takes none of kv_window, kv_sinks or an fp8 kv_cache_dtype."""
+        self.mla = config.mla
+        if self.mla is not None:
+            refused = (("kv_window", kv_window is not None, kv_window), ("kv_sinks", kv_sinks != 0, kv_sinks),
+                       ("kv_cache_dtype", kv_cache_dtype not in (None, dtype), kv_cache_dtype))
+            for name, given, value in refused:
+                if given:
+                    raise ValueError(f"{name}={value!r} is not supported for MLA models ({config.model_type}) yet: "
+                                     "their latent cache is kept whole, in the model's dtype")
         if backend not in BACKENDS:
             raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
         if kv_window is not None and not (isinstance(kv_window, int) and kv_window >= 1):
@@ -101,25 +169,38 @@ class PagedAttention:
             self.v_scales = [row.clone() for row in kv_scales.v.to(self.device, torch.float32).unbind(0)]
         elif kv_scales is not None:
             raise ValueError(f"kv_scales apply to fp8 caches only, not {self.cache_dtype}")
+        # MLA: num_kv_heads is 1 and head_dim kv_lora_rank + qk_rope_head_dim, so k_caches are the latent caches.
         shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.caches_per_layer = caches_per_layer(config)
         # Zeroed, not empty: a kernel tile may load (masked) slots no token wrote yet; they must not be NaN.
         self.k_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
+        self.v_caches = [] if self.mla is not None else [
+            torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
+        self.cache_layout = (
+            f"latent {self.mla.kv_lora_rank} + rope {self.mla.qk_rope_head_dim} per token per layer, one cache"
+            if self.mla is not None else
+            f"K and V per KV head ({config.num_kv_heads} heads x {config.head_dim}) per token per layer")
         # The swap pool is only ever read where a swap-out wrote; pinned on CUDA so that copies are asynchronous.
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
         self.cpu_k_caches = [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in self.k_caches]
         self.cpu_v_caches = [torch.empty(cpu_shape, dtype=self.cache_dtype, pin_memory=pin) for _ in self.v_caches]
         self.workspace = None
-        if self.backend == "triton":  # split scratch for the largest decode batch (one row per sequence)
+        if self.backend == "triton" and self.mla is not None:  # split scratch for the largest decode batch
+            self.workspace = mla_workspace(max(max_num_seqs, 1), config.num_heads, self.mla.kv_lora_rank,
+                                           device=self.device)
+            self.row_split = latent_row_split(config.head_dim)
+        elif self.backend == "triton":
             self.workspace = paged_workspace(max(max_num_seqs, 1), config.num_heads, config.head_dim,
                                              device=self.device)
         self.checks_tables = checks_contents(None, self.device)
 
     @staticmethod
     def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of one block across all layers, K and V, in the cache's dtype (fp8: one byte per element)."""
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+        """Bytes of one block across all layers, K and V (MLA: the latent cache alone), in the cache's dtype (fp8: one
+        byte per element)."""
+        per_cache = block_size * config.num_kv_heads * config.head_dim * dtype.itemsize
+        return caches_per_layer(config) * config.num_layers * per_cache
 
     def describe(self) -> dict:
         """What `engine.stats()` reports about attention: backend, cache geometry and dtype (and, for fp8, where
@@ -128,7 +209,8 @@ class PagedAttention:
                   if self.checks_tables else
                   "tables built from the KV manager's plans, trusted (IOATTN_VALIDATE=1 checks every step)")
         return {"backend": self.backend, "num_blocks": self.num_blocks, "block_size": self.block_size,
-                "windows": sorted(set(self.window_sizes)), "sink_tokens": self.sink_tokens,
+                "cache_layout": self.cache_layout, "windows": sorted(set(self.window_sizes)),
+                "sink_tokens": self.sink_tokens,
                 "cache_dtype": kv_cache_dtype_name(self.cache_dtype),
                 "kv_scales": None if self.kv_scales is None else self.kv_scales.describe(),
                 "kernel_inputs": checks}
@@ -139,6 +221,10 @@ class PagedAttention:
         if self.kv_scales is None:
             return None
         return ("kv_cache", kv_cache_dtype_name(self.cache_dtype), self.kv_scales.identity())
+
+    def layer_caches(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The caches of one layer: (K, V), or (latent,) for an MLA model."""
+        return (self.k_caches[layer], self.v_caches[layer]) if self.v_caches else (self.k_caches[layer],)
 
     # -- plans: copies, swaps and block transfers ---------------------------------------------------------------
 
@@ -160,11 +246,11 @@ class PagedAttention:
                 swap_blocks(src, dst, mapping)
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
-        """(layers, 2, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V in the cache's dtype (prefix
-        export)."""
+        """(layers, caches_per_layer, len(blocks), block_size, kv_heads, head_dim): the blocks' K and V (MLA: latent)
+        in the cache's dtype (prefix export)."""
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        kv = torch.stack([torch.stack([bytes_view(k).index_select(0, index), bytes_view(v).index_select(0, index)])
-                          for k, v in zip(self.k_caches, self.v_caches)])
+        kv = torch.stack([torch.stack([bytes_view(cache).index_select(0, index) for cache in self.layer_caches(layer)])
+                          for layer in range(len(self.k_caches))])
         return kv.view(self.cache_dtype)  # an fp8 cache's blocks gathered as bytes
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
@@ -174,9 +260,9 @@ class PagedAttention:
             raise ValueError(f"kv: blocks for a {kv_cache_dtype_name(self.cache_dtype)} cache must be in that format, "
                              f"got {kv.dtype}")
         index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        for layer, (k_cache, v_cache) in enumerate(zip(self.k_caches, self.v_caches)):
-            bytes_view(k_cache).index_copy_(0, index, bytes_view(kv[layer, 0].to(k_cache.dtype)))
-            bytes_view(v_cache).index_copy_(0, index, bytes_view(kv[layer, 1].to(v_cache.dtype)))
+        for layer in range(len(self.k_caches)):
+            for i, cache in enumerate(self.layer_caches(layer)):
+                bytes_view(cache).index_copy_(0, index, bytes_view(kv[layer, i].to(cache.dtype)))
 
     # -- one step ---------------------------------------------------------------------------------------------
 
@@ -189,9 +275,9 @@ class PagedAttention:
         check_slot_contents(slots, self.num_blocks * self.block_size)
 
     def step(self, slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, decode_rows,
-             table_widths=None) -> StepAttention:
+             table_widths=None, chunk_context_tokens=0) -> StepAttention:
         return StepAttention(self, slot_mapping, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, decode_rows,
-                             table_widths)
+                             table_widths, chunk_context_tokens)
 
     def attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
@@ -219,6 +305,46 @@ class PagedAttention:
                         cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, out=out[n:], **common)
         return out
 
+    def attend_mla(self, q_nope, q_rope, latent, k_rope, layer_idx: int, projection,
+                   ctx: StepAttention) -> torch.Tensor:
+        """New tokens' [latent ‖ k_rope] rows into the layer's latent cache, then decode rows absorbed and the
+        multi-token rows expanded (see the module docstring) -> (T, H, v_head_dim)."""
+        cache, rank = self.k_caches[layer_idx], self.mla.kv_lora_rank
+        rows = torch.cat((latent, k_rope), dim=-1)[:, None, :]  # (T, 1, rank + rope): one "KV head"
+        # The row is both key and value, so one tensor is both; the Triton write takes it as row_split narrower heads.
+        if self.backend == "torch":
+            if ctx.cache_writes is None:
+                ctx.cache_writes = torch_paged.CacheWrites.build(ctx.slot_mapping)
+            torch_paged.write(rows, rows, cache, cache, ctx.cache_writes)
+        else:
+            parts = self.row_split
+            split_rows = rows.view(rows.shape[0], parts, -1)
+            split_cache = cache.view(*cache.shape[:2], parts, -1)
+            reshape_and_cache(split_rows, split_rows, split_cache, split_cache, ctx.slot_mapping, backend=self.backend,
+                              validate=False)
+        n = q_nope.shape[0] if ctx.cu_seqlens_q is None else ctx.decode_rows
+        decode_width, chunk_width = ctx.table_widths or (ctx.block_table.shape[1],) * 2
+        decoded = None
+        if n:
+            query = torch.cat((projection.absorb(q_nope[:n]), q_rope[:n]), dim=-1)
+            o_latent = mla_paged_attention(query, cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
+                                           v_head_dim=rank, softmax_scale=projection.softmax_scale,
+                                           workspace=self.workspace, backend=self.backend, validate=False)
+            decoded = projection.output(o_latent)
+        if ctx.cu_seqlens_q is None:
+            return decoded
+        context = ctx.latent_context
+        if context is None:
+            assert ctx.chunk_context_tokens > 0, "a step with multi-token rows needs their chunk_context_tokens"
+            context = ctx.latent_context = LatentContext.build(ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
+                                                               ctx.chunk_context_tokens, self.block_size)
+        cached = cache.view(-1, cache.shape[-1]).index_select(0, context.slots)  # (context tokens, rank + rope)
+        k_nope, v = projection.expand(cached[:, :rank])
+        chunks = expanded_attention(q_nope[n:], q_rope[n:], k_nope, cached[:, rank:], v, ctx.cu_seqlens_q,
+                                    context.cu_seqlens_k, ctx.max_seqlen_q, context.max_seqlen_k,
+                                    projection.softmax_scale, backend=EXPANDED_BACKEND[self.backend])
+        return chunks if decoded is None else torch.cat((decoded, chunks))
+
     def _cache_reads(self, ctx: StepAttention, window: tuple[int, int], k_cache) -> torch_paged.CacheReads:
         """The torch backend's reads for this step and window, built once: every layer of the step shares the
         tables, so the gathers' indices and masks are not rebuilt per layer."""
@@ -232,12 +358,29 @@ class PagedAttention:
     @torch.inference_mode()
     def warm_up(self, num_heads: int, max_tokens: int) -> None:
         """Compile every variant a step can take before serving, not during it (lab/README.md "compiles during
-        serving"): `ioattn.ops.paged.compile_variants` for each window of the model."""
+        serving"): `ioattn.ops.paged.compile_variants` for each window of the model; for MLA the decode kernel's
+        split variants and the expanded path's varlen forward at one query token and at `max_tokens`."""
         if self.backend != "triton":
+            return
+        if self.mla is not None:
+            self._warm_up_mla(num_heads, max_tokens)
             return
         for window in sorted(set(self.window_sizes)):
             compile_variants(num_heads, self.k_caches[0], self.v_caches[0], window_size=window,
                              max_tokens=max_tokens, workspace=self.workspace, dtype=self.dtype,
                              k_scale=self.k_scales[0], v_scale=self.v_scales[0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _warm_up_mla(self, num_heads: int, max_tokens: int) -> None:
+        mla, cache = self.mla, self.k_caches[0]
+        compile_mla_variants(num_heads, cache, mla.kv_lora_rank, workspace=self.workspace)
+        q_nope, k_nope = (cache.new_zeros(1, num_heads, mla.qk_nope_head_dim) for _ in range(2))
+        q_rope, k_rope = cache.new_zeros(1, num_heads, mla.qk_rope_head_dim), cache.new_zeros(1, mla.qk_rope_head_dim)
+        v = cache.new_zeros(1, num_heads, mla.v_head_dim)
+        cu = torch.tensor([0, 1], dtype=torch.int32, device=self.device)
+        for max_seqlen_q in sorted({1, max_tokens}):  # the forward's table tells short from long queries
+            expanded_attention(q_nope, q_rope, k_nope, k_rope, v, cu, cu, max_seqlen_q, max_seqlen_q, 1.0,
+                               backend=EXPANDED_BACKEND[self.backend])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

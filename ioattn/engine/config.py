@@ -5,7 +5,9 @@ the tensor-parallel ranks and the disaggregated workers all take what `resolve_s
 derive a default differently.
 
 The pool is sized in bytes: `kv_cache_dtype="fp8_e4m3"` / `"fp8_e5m2"` store one byte per element, so the same
-memory holds twice the tokens of a 16-bit cache (four times those of a float32 one).
+memory holds twice the tokens of a 16-bit cache (four times those of a float32 one). An MLA model (DeepSeek-V2/V3)
+caches one latent row per token per layer instead of K and V per KV head, so its blocks are smaller still
+(`PagedAttention.block_bytes`); fp8 is refused for it at resolution, before anything is allocated.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class EngineSettings:
     max_model_len: int
     max_num_batched_tokens: int
     block_size: int
-    block_bytes: int  # one block across all layers, K and V
+    block_bytes: int  # one block across all layers, K and V (MLA: the latent cache)
     num_blocks: int
     num_cpu_blocks: int
     watermark_blocks: int  # kept free by admission (`KVCacheManager`'s rule)
@@ -154,6 +156,9 @@ def resolve_settings(config: EngineConfig, loaded: LoadedModel,
     kv_dtype = parse_kv_cache_dtype(config.kv_cache_dtype)
     kv_scales = None
     if kv_dtype is not None:
+        if loaded.config.mla is not None:
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for MLA models yet "
+                             f"({loaded.config.model_type}: the latent cache stays in the model's dtype)")
         check_fp8_supported(device, "kv_cache_dtype")
         if agree_num_blocks is not None:
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported with tensor parallelism yet "

@@ -244,6 +244,8 @@ class ModelRunner:
             max_seqlen_q=max(batch.num_tokens[decode_rows:] or [1]),
             decode_rows=decode_rows,
             table_widths=(max(batch.table_lens[:decode_rows] or [1]), max(batch.table_lens[decode_rows:] or [1])),
+            # MLA gathers the multi-token rows' whole contexts; counted here, that gather reads no device value back.
+            chunk_context_tokens=int(layout.seq_lens[decode_rows:].sum()),
         )
         input_ids = staging.upload("input_ids", num_tokens, torch.int64)
         positions = staging.upload("positions", num_tokens, torch.int64)

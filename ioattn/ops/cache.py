@@ -90,14 +90,16 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Ten
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_mapping: torch.Tensor, *,
                 validate: bool | None = None) -> None:
     """Copy-on-write: for every layer's caches, block dst <- block src for each [src, dst] row of block_mapping.
+    v_caches is one cache per layer, or empty for caches without a V (an MLA model's latent caches).
 
     block_mapping: int64 (pairs, 2) on the caches' device, blocks in [0, num_blocks), destinations distinct
     (checked as `validate` says, see reshape_and_cache). All sources are read before any destination is
     written. Two gathers per layer (torch index ops): copies are rare and small, a dedicated kernel would not pay.
     fp8 caches are copied as their bytes (torch has no fp8 index_copy_ on the CPU).
     """
-    require(isinstance(k_caches, (list, tuple)) and isinstance(v_caches, (list, tuple)) and len(k_caches) == len(v_caches),
-            "k_caches and v_caches must be lists of one cache per layer, of equal length")
+    require(isinstance(k_caches, (list, tuple)) and isinstance(v_caches, (list, tuple))
+            and len(v_caches) in (0, len(k_caches)),
+            "k_caches and v_caches must be lists of one cache per layer, of equal length (v_caches may be empty)")
     caches = (*k_caches, *v_caches)
     for i, cache in enumerate(caches):
         check_tensor(f"cache {i}", cache)

@@ -301,3 +301,18 @@ def mla_paged_attention(
     if not return_lse:
         return out
     return out, lse if decode else lse.t()
+
+
+def compile_mla_variants(num_heads: int, latent_cache: torch.Tensor, v_head_dim: int, *,
+                         workspace: PagedWorkspace | None = None) -> None:
+    """Run (so compile) every decode variant of `mla_paged_attention` a serving step can take with this cache, so
+    that no kernel compiles mid-serving: unsplit and at each power-of-two split count (the combine is specialised
+    on the count). The query is contiguous (tokens, heads, D), as the engine's absorbed query is; the cache is only
+    read."""
+    device, width = latent_cache.device, latent_cache.shape[3]
+    q = torch.zeros(1, num_heads, width, dtype=latent_cache.dtype, device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
+        mla_paged_attention(q, latent_cache, table, seq_lens, v_head_dim=v_head_dim, num_splits=splits,
+                            workspace=workspace, backend="triton", validate=False)
