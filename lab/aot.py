@@ -5,10 +5,11 @@ Triton's wheel carries ptxas and cuobjdump, so registers, spills, shared memory 
 pressure were found (see ioattn/kernels/paged_attention.py).
 
     PYTHONPATH=. python3 lab/aot.py [--block-n 64] [--warps 4] [--stages 2] [--maxnreg N]
-        [--page 16] [--prefill] [--fp8 e4m3|e5m2]               # the paged kernel (the default: decode)
+        [--page 16] [--prefill] [--fp8 e4m3|e5m2] [--fp16]      # the paged kernel (the default: decode)
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers]    # the dense forward kernel
         --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
         --gluon [--head-dim 128] [--causal] [--fp16] [--stages N] [--block-n N]  # the Gluon sm_90 forward
+        ... [--sass]                                            # also the SASS instruction count by opcode
 
 prints, for one configuration (bf16; paged: 32/8 heads, D=128; forward: 32/8 heads, the dense (B, N, H, D)
 layout), the cuobjdump resource line (REG: registers per thread, STACK: spill bytes), the shared memory, and
@@ -18,6 +19,7 @@ arguments are taken as 16-byte aligned, as the launcher's specialisation finds t
 """
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -44,21 +46,33 @@ def compile_sm90(fn, signature: dict, constexprs: dict, divisible16=(), num_warp
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
-def resources(kernel) -> str:
-    """cuobjdump -res-usage of the cubin: registers, stack (spills), shared and local bytes."""
+def cuobjdump(kernel, flag: str) -> str:
+    """What Triton's bundled cuobjdump prints for the kernel's cubin with `flag`."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
+    return subprocess.run([tool, flag, f.name], capture_output=True, text=True).stdout
 
 
-def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None):
-    """fp8: None (bf16 caches: K_scale/V_scale are None, as the launcher passes them) or "e4m3" / "e5m2"."""
+def resources(kernel) -> str:
+    """cuobjdump -res-usage of the cubin: registers, stack (spills), shared and local bytes."""
+    return " ".join(line.strip() for line in cuobjdump(kernel, "-res-usage").splitlines() if "REG" in line)
+
+
+def sass_opcodes(kernel) -> collections.Counter:
+    """The kernel's SASS instructions counted by opcode (predicates and modifiers dropped): where the
+    per-element work goes, e.g. F2F / F2FP / PRMT for conversions, LDSM against LDS for shared-memory reads."""
+    lines = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", cuobjdump(kernel, "-sass"))
+    return collections.Counter(lines)
+
+
+def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16"):
+    """fp8: None (caches in the queries' dtype: K_scale/V_scale are None, as the launcher passes them) or "e4m3" /
+    "e5m2"; dtype: the queries' ("bf16" or "fp16")."""
     from ioattn.kernels.paged_attention import paged_attention_kernel as kernel
 
     types = {n: "i32" for n in kernel.arg_names}
-    types.update({n: "*bf16" for n in ("Q", "K_cache", "V_cache")}, Out="*fp32", Lse="*fp32", scale_log2="fp32")
+    types.update({n: f"*{dtype}" for n in ("Q", "K_cache", "V_cache")}, Out="*fp32", Lse="*fp32", scale_log2="fp32")
     if fp8 is not None:
         types.update(K_cache=f"*fp8{fp8.replace('e4m3', 'e4nv').replace('e5m2', 'e5')}", K_scale="*fp32",
                      V_scale="*fp32")
@@ -141,7 +155,7 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
-    p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache (bf16 queries) instead of bf16")
+    p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache instead of one in the queries' dtype")
     p.add_argument("--forward", action="store_true", help="the dense forward kernel instead of the paged one")
     p.add_argument("--block-m", type=int, default=128, help="forward: query rows per tile")
     p.add_argument("--head-dim", type=int, default=128, help="forward: head dim")
@@ -150,7 +164,8 @@ def main() -> None:
     p.add_argument("--mla", action="store_true", help="the absorbed MLA kernel (latent 512 + rope 64)")
     p.add_argument("--block-h", type=int, default=16, help="mla: query heads per program")
     p.add_argument("--gluon", action="store_true", help="the Gluon warp-specialized forward (sm_90)")
-    p.add_argument("--fp16", action="store_true", help="gluon: fp16 instead of bf16")
+    p.add_argument("--fp16", action="store_true", help="gluon and paged: fp16 instead of bf16 (queries)")
+    p.add_argument("--sass", action="store_true", help="also count the SASS instructions by opcode")
     p.add_argument("--no-pingpong", action="store_true", help="gluon: consumers issue their wgmmas unordered")
     args = p.parse_args()
     if args.gluon:
@@ -165,10 +180,14 @@ def main() -> None:
                                 args.causal, not args.pointers, args.maxnreg)
     else:
         kernel = paged_kernel(128 if args.prefill else 16, args.block_n or 64, args.warps, args.stages or 2,
-                              args.page, not args.prefill, args.maxnreg, args.fp8)
+                              args.page, not args.prefill, args.maxnreg, args.fp8, "fp16" if args.fp16 else "bf16")
     allocs = re.findall(r"%(\w+) = ttg.local_alloc : \(\) -> !ttg.memdesc<([^,]+),", kernel.asm["ttgir"])
     print(resources(kernel))
     print(f"shared {kernel.metadata.shared} B; allocations: " + ", ".join(f"{n} {shape}" for n, shape in allocs))
+    if args.sass:
+        opcodes = sass_opcodes(kernel)
+        print(f"SASS: {sum(opcodes.values())} instructions; "
+              + ", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
 
 
 if __name__ == "__main__":
