@@ -606,17 +606,11 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(harness.disclosure_markdown(meta), flush=True)
-    rows: list[Row] = []
-    for index, case in enumerate(cases, 1):
-        if harness.budget_spent(started, args.budget_s, meta, cases[index - 1:]):
-            break
-        for row in run_case(case, args, meta["ceilings"]):
-            rows.append(row)
-            result = (f"{row.ms * 1e3:10.1f} µs {row.rate:6.2f} TB/s {row.ceiling_pct or 0:5.1f}% "
-                      f"splits {row.extra.get('splits', '-')} err {row.error:.1e}" if row.status == "ok" else row.status)
-            print(f"[{index}/{len(cases)}] {case.label():32s} {row.backend:18s} {result}", flush=True)
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    rows = harness.sweep(
+        cases, lambda case: run_case(case, args, meta["ceilings"]),
+        lambda row: (f"{row.ms * 1e3:10.1f} µs {row.rate:6.2f} TB/s {row.ceiling_pct or 0:5.1f}% "
+                     f"splits {row.extra.get('splits', '-')} err {row.error:.1e}"),
+        started=started, budget_s=args.budget_s, meta=meta, device=args.device)
     prefill = run_prefill(args, meta["ceilings"]) if args.prefill else []
     report = render_markdown(meta, rows, prefill)
     print(report, flush=True)

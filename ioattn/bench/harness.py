@@ -453,6 +453,24 @@ def budget_spent(started: float, budget_s: float, meta: dict[str, Any], not_run:
     return True
 
 
+def sweep(cases: Sequence[Any], run_case: Callable[[Any], Iterable[Row]], describe: Callable[[Row], str], *,
+          started: float, budget_s: float, meta: dict[str, Any], device: str) -> list[Row]:
+    """Every case's rows from `run_case(case)` until the time budget is spent (`budget_spent`), one progress line
+    per row (`describe(row)` where it ran, else its status); the CUDA cache allocator is emptied between cases, so
+    one case's buffers never crowd the next's."""
+    rows: list[Row] = []
+    for index, case in enumerate(cases, 1):
+        if budget_spent(started, budget_s, meta, cases[index - 1:]):
+            break
+        for row in run_case(case):
+            rows.append(row)
+            result = describe(row) if row.status == "ok" else row.status
+            print(f"[{index}/{len(cases)}] {case.label():32s} {row.backend:22s} {result}", flush=True)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
 def write_outputs(args: argparse.Namespace, name: str, meta: dict[str, Any], rows: Sequence[Row],
                   report: str) -> dict[str, str | Path | None]:
     """Write the JSON (meta and rows) and the markdown report where --json / --md say, else under --out with

@@ -456,18 +456,12 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     print(harness.disclosure_markdown(meta), flush=True)
-    rows: list[Row] = []
-    for index, case in enumerate(cases, 1):
-        if harness.budget_spent(started, args.budget_s, meta, cases[index - 1:]):
-            break
-        for row in run_case(case, args, meta["ceilings"]):
-            rows.append(row)
-            result = (f"{row.ms * 1e3:10.1f} µs {row.rate:8.1f} GB/s {row.ceiling_pct or 0:5.1f}% "
-                      f"{row.extra['tflops']:7.1f} TFLOP/s {row.extra['matmul_pct'] or 0:5.1f}% "
-                      f"err {row.error:.1e} {row.extra['bar'] or ''}" if row.status == "ok" else row.status)
-            print(f"[{index}/{len(cases)}] {case.label():26s} {row.backend:22s} {result}", flush=True)
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    rows = harness.sweep(
+        cases, lambda case: run_case(case, args, meta["ceilings"]),
+        lambda row: (f"{row.ms * 1e3:10.1f} µs {row.rate:8.1f} GB/s {row.ceiling_pct or 0:5.1f}% "
+                     f"{row.extra['tflops']:7.1f} TFLOP/s {row.extra['matmul_pct'] or 0:5.1f}% "
+                     f"err {row.error:.1e} {row.extra['bar'] or ''}"),
+        started=started, budget_s=args.budget_s, meta=meta, device=args.device)
     report = render_markdown(meta, rows)
     print(report, flush=True)
     harness.write_outputs(args, "decode-mla", meta, rows, report)

@@ -306,6 +306,19 @@ def test_command_line_helpers(tmp_path, capsys):
     assert harness.budget_spent(time.monotonic() - 2.0, 1.0, meta, [Case(1), Case(2)])
     assert meta["settings"]["not_run"] == ["N1", "N2"] and "2 cases not run" in capsys.readouterr().out
 
+    def run_case(case):
+        yield Row(case={"N": case.n}, backend="ours", ms=float(case.n))
+        yield Row(case={"N": case.n}, backend="peer", status="unsupported: x")
+
+    swept = harness.sweep([Case(1), Case(2)], run_case, lambda row: f"{row.ms:.0f} ms", started=time.monotonic(),
+                          budget_s=60.0, meta=meta, device="cpu")
+    assert [(row.case["N"], row.backend) for row in swept] == [(1, "ours"), (1, "peer"), (2, "ours"), (2, "peer")]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("[1/2] N1") and printed[0].endswith("1 ms") and printed[1].endswith("unsupported: x")
+    assert harness.sweep([Case(3)], run_case, str, started=time.monotonic() - 2.0, budget_s=1.0, meta=meta,
+                         device="cpu") == []
+    assert meta["settings"]["not_run"] == ["N3"]
+
     rows = [Row(case={"N": 1}, backend="b", used="u", ms=1.0, rate=2.0)]
     parser = argparse.ArgumentParser()
     harness.add_run_args(parser, budget_s=5.0, out_help="directory")
