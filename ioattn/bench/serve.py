@@ -105,7 +105,8 @@ REPORT_ROWS = (
     *((f"{label} {metric.upper()} (ms)", f"{stat}_{metric}_ms") for metric in ("ttft", "tpot", "itl", "e2el")
       for label, stat in (("Mean", "mean"), ("Median", "median"), ("P99", "p99"))),
 )
-ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "steps",
+ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "kv_pool_tokens",
+               "kv_bytes_per_token", "requests_in_pool", "running_peak", "kv_cache_layout", "steps",
                "overlapped_steps", "shipped_blocks", "first_token_agreement")
 SWEEP_COLUMNS = (("request rate (req/s)", "request_rate"), ("completed", "completed"),
                  ("req/s", "request_throughput"), ("output tok/s", "output_throughput"),

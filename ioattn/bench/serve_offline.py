@@ -139,7 +139,9 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
     """Add each request when its pacing allows (its arrival time: its offset, or when a concurrency slot freed),
     step until all finished; the KV manager is read after every step. Returns the `summarize` figures plus
     preemptions, prefix hit rate, KV utilization and pool usage, steps, overlapped steps and each request's first
-    token. A benchmark hook: any `LLMEngine` (`LLM(...).engine`) runs through it, as `lab/explore9.py` does."""
+    token, and the KV pool's size (tokens, bytes per token, the workload's requests it holds whole, the most
+    that ran at once). A benchmark hook: any `LLMEngine` (`LLM(...).engine`) runs through it, as `lab/explore9.py`
+    does."""
     from ioattn.engine.sampling import SamplingParams
 
     before = engine.kv.stats()
@@ -148,7 +150,7 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
     static = engine.scheduler_config.mode == "static"
     reserved_slots_per_seq = ceil(engine.max_model_len / engine.kv.block_size) * engine.kv.block_size
     pool_slots = engine.kv.num_blocks * engine.kv.block_size
-    utilization, pool_usage = [], []
+    utilization, pool_usage, running = [], [], []
     outputs = {}
     added = 0
     start = time.monotonic()
@@ -172,6 +174,7 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
         if committed:
             utilization.append(stats.tokens_held / committed)
         pool_usage.append(stats.blocks_used / engine.kv.num_blocks)
+        running.append(stats.sequences_running)
     duration = time.monotonic() - start
 
     results = []
@@ -192,7 +195,12 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
         "kv_utilization_mean": statistics.fmean(utilization) if utilization else None,
         "kv_pool_usage_peak": max(pool_usage, default=0.0),
         "kv_pool_tokens": pool_slots,
+        "kv_bytes_per_token": engine.settings.block_bytes / engine.kv.block_size,
+        # the pool's tokens over a request's whole length (prompt + output), at this workload's mean
+        "requests_in_pool": pool_slots / statistics.fmean(len(w.prompt_token_ids) + w.output_len for w in work),
+        "running_peak": max(running, default=0),
         "kv_cache_dtype": engine.attention.describe()["cache_dtype"],
+        "kv_cache_layout": engine.attention.cache_layout,
         "steps": len(pool_usage),
         "overlapped_steps": engine.num_overlapped_steps - overlapped_before,
         "first_tokens": [_first(outputs[f"bench-{i}"].outputs[0].token_ids) if outputs[f"bench-{i}"].outputs

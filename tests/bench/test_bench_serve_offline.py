@@ -37,6 +37,12 @@ def test_ours_and_static_complete_the_workload(compared):
             assert run[key] is not None and run[key] > 0, (name, key)
         assert run["preemptions"] == 0 and run["prefix_hit_rate"] == 0.0
         assert 0 < run["kv_utilization_mean"] <= 1 and 0 < run["kv_pool_usage_peak"] <= 1
+        assert 1 <= run["running_peak"] <= 8
+        mean_request = sum(len(w.prompt_token_ids) + w.output_len for w in work) / len(work)
+        assert run["requests_in_pool"] == pytest.approx(run["kv_pool_tokens"] / mean_request)
+    tiny = PRESETS["tiny"].config  # float32 K and V per KV head and layer
+    per_token = tiny.num_layers * 2 * tiny.num_kv_heads * tiny.head_dim * 4
+    assert result["systems"]["ioattn"]["kv_bytes_per_token"] == per_token
     # Static commits max_model_len per running sequence; these prompts hold at most 73 tokens of it.
     assert result["systems"]["static"]["kv_utilization_mean"] < 73 / MAX_MODEL_LEN
     assert result["systems"]["ioattn"]["kv_utilization_mean"] > 73 / MAX_MODEL_LEN
@@ -158,3 +164,24 @@ def test_hf_generate_peer_completes_the_same_workload(tmp_path):
     assert result["ioattn_over_hf-generate"] > 0
     assert any("bar on a CPU" in note for note in result["notes"])
     assert any("CPU threads" in note for note in result["notes"])
+
+
+def test_run_engine_reports_an_mla_pool():
+    """DeepSeek-V2-Lite's latent row (512 + 64) on two layers of a small random MLA model: the bytes per token and
+    the requests the pool holds are those of one latent cache per layer, not of K and V per head."""
+    import torch
+
+    from ioattn.engine.llm_engine import EngineConfig, LLMEngine
+    from ioattn.models.presets import RandomPreset
+
+    shape = PRESETS["deepseek-v2-lite-shape"].config
+    config = shape.replace(num_layers=2, vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=4,
+                           layer_sliding_windows=(None, None), dtype=torch.float32)
+    loaded = RandomPreset(config, seed=0, draw_on_cpu=True, summary="").load(dtype="float32", device="cpu")
+    engine = LLMEngine(loaded, EngineConfig(device="cpu", block_size=16, num_blocks=32, max_model_len=128))
+    work = workload.make_workload(4, (16, 40), (2, 5), seed=0)
+    run = serve_offline.run_engine(engine, work, 0.0, serve_offline.Pacing.all_at_once(work))
+    assert run["completed"] == 4 and run["failed"] == 0
+    assert run["kv_bytes_per_token"] == 2 * (512 + 64) * 4 and run["kv_pool_tokens"] == 32 * 16
+    assert run["kv_cache_layout"] == "latent 512 + rope 64 per token per layer, one cache"
+    assert 1 <= run["running_peak"] <= 4
