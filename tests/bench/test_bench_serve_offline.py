@@ -167,18 +167,12 @@ def test_hf_generate_peer_completes_the_same_workload(tmp_path):
 
 
 def test_run_engine_reports_an_mla_pool():
-    """DeepSeek-V2-Lite's latent row (512 + 64) on two layers of a small random MLA model: the bytes per token and
-    the requests the pool holds are those of one latent cache per layer, not of K and V per head."""
-    import torch
-
+    """tiny-mla's latent row (DeepSeek's 512 + 64) on two layers: the bytes per token and the requests the pool
+    holds are those of one latent cache per layer, not of K and V per head."""
     from ioattn.engine.llm_engine import EngineConfig, LLMEngine
-    from ioattn.models.presets import RandomPreset
 
-    shape = PRESETS["deepseek-v2-lite-shape"].config
-    config = shape.replace(num_layers=2, vocab_size=512, hidden_size=256, intermediate_size=512, num_heads=4,
-                           layer_sliding_windows=(None, None), dtype=torch.float32)
-    loaded = RandomPreset(config, seed=0, draw_on_cpu=True, summary="").load(dtype="float32", device="cpu")
-    engine = LLMEngine(loaded, EngineConfig(device="cpu", block_size=16, num_blocks=32, max_model_len=128))
+    engine = LLMEngine("tiny-mla", EngineConfig(device="cpu", dtype="float32", block_size=16, num_blocks=32,
+                                                max_model_len=128))
     work = workload.make_workload(4, (16, 40), (2, 5), seed=0)
     run = serve_offline.run_engine(engine, work, 0.0, serve_offline.Pacing.all_at_once(work))
     assert run["completed"] == 4 and run["failed"] == 0

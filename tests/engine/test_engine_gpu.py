@@ -132,3 +132,15 @@ def test_no_kernel_compiles_while_serving():
             engine.add_request(f"c{i}", prompt_token_ids=prompt(length, i), params=greedy(output))
         run_all(engine)
     assert compiled == []
+
+
+def test_no_mla_kernel_compiles_while_serving():
+    """tiny-mla in bf16: chunked prompts on the expanded path, decode rows that split and CUDA-graph decodes run
+    kernels compiled at start-up only (the MLA warm-up)."""
+    engine = LLMEngine("tiny-mla", EngineConfig(device="cuda", dtype="bfloat16", block_size=16, max_model_len=1024,
+                                                max_num_seqs=16, num_blocks=512, max_num_batched_tokens=256))
+    with kernels_compiled() as compiled:
+        for i, (length, output) in enumerate([(600, 6), (37, 9), (5, 12), (300, 3), (1, 7), (130, 5)]):
+            engine.add_request(f"c{i}", prompt_token_ids=prompt(length, i), params=greedy(output))
+        run_all(engine)
+    assert compiled == []

@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "models"))
 
-from engine_helpers import greedy, kernels_compiled, make_engine, run_all
+from engine_helpers import greedy, make_engine, run_all
 from hf_checkpoints import save_hf_model
 from ioattn.distributed import DisaggregatedEngine
 from ioattn.distributed.tp import ShardPlan, load_tensor_parallel
@@ -269,17 +269,3 @@ def test_warm_up_runs_every_mla_variant(checkpoint, device):
     before = [cache.clone() for cache in attention.k_caches]
     attention.warm_up(config.num_heads, max_tokens=8)
     assert all(torch.equal(cache, old) for cache, old in zip(attention.k_caches, before))  # only read
-
-
-@pytest.mark.gpu
-def test_no_mla_kernel_compiles_while_serving(checkpoint):
-    """Steps of every shape (chunked prompts on the expanded path, decode rows that split, CUDA-graph decodes) run
-    kernels compiled at start-up only."""
-    loaded = load_model(checkpoint.path, dtype=torch.bfloat16, device="cuda")
-    engine = make_engine(model=loaded, device="cuda", block_size=16, num_blocks=512, max_model_len=1024,
-                         max_num_batched_tokens=256)
-    with kernels_compiled() as compiled:
-        for i, (length, output) in enumerate([(600, 6), (37, 9), (5, 12), (300, 3), (1, 7), (130, 5)]):
-            engine.add_request(f"c{i}", prompt_token_ids=prompt(length, i), params=greedy(output))
-        run_all(engine)
-    assert compiled == []
