@@ -1,5 +1,5 @@
 """Would a per-channel treatment of K cut the e4m3 cache's K error on smollm2, where nearly all of its perplexity
-cost lies (`fp8_smollm2_cpu.py`: K alone +1.29%, V alone +0.16%)?
+cost lies (`fp8_smollm2_cpu.py`: K alone +1.29%, V alone +0.16%)? Or keeping the attention sinks' K exact?
 
 Three candidates against the engine's rule (one power-of-two scale per (layer, KV head), headroom 4), each on the
 seeds' first 8192 tokens in one dense pass (no cache), K rounded through e4m3 and back, V left exact:
@@ -10,7 +10,9 @@ seeds' first 8192 tokens in one dense pass (no cache), K rounded through e4m3 an
   precision), while the rounded values are smaller: on smollm2 the mean is 0.5-0.9 of K's RMS;
 - the same with the mean taken with each calibration passage placed at 16 offsets over the 8192-token context (the
   post-RoPE mean of a rotating channel pair depends on the positions it is taken at; RoPE attention is relative,
-  so the offsets change no hidden state).
+  so the offsets change no hidden state);
+- the engine's rule with the first 4 tokens' K left exact (were the sinks' rounding what costs, a cache could keep
+  its first block in the model's dtype).
 
     PYTHONPATH=. python3 lab/fp8_k_shift_cpu.py [--tokens 8192] [--out bench/results/2026-12-05-fp8-k-shift-smollm2-cpu]
 
@@ -103,6 +105,8 @@ def main() -> None:
             k - shifts["natural"][0][layer], shifts["natural"][1][layer][:, None]),
         f"K shift, mean at {OFFSETS} offsets over the context": lambda k, layer: round_trip(
             k - shifts["spread"][0][layer], shifts["spread"][1][layer][:, None]),
+        "engine rule, the first 4 tokens' K kept exact (attention sinks)": lambda k, layer: torch.cat(
+            (k[:4], round_trip(k[4:], engine_scales.k[layer][:, None]))),
     }
     result = {"disclosure": collect_disclosure("cpu", "PYTHONPATH=. python3 lab/fp8_k_shift_cpu.py "
                                                f"--tokens {args.tokens} --out {args.out}"),
