@@ -36,7 +36,8 @@ echo "bench decode --mla exit $?"; grep -E "ioattn-mla" "$OUT/mla-decode.txt" | 
 for model in deepseek-v2-lite-shape llama3.2-3b-shape; do
     step "3. serving $model"
     timeout 90 python3 -m ioattn.cli bench serve --compare ioattn --model "$model" --num-requests 256 \
-        --input-len 100 1024 --output-len 256 --decode-batch 0 --json "$OUT/serve-$model-h200.json" \
+        --input-len 100 1024 --output-len 256 --max-model-len 2048 --decode-batch 0 \
+        --json "$OUT/serve-$model-h200.json" \
         > "$OUT/serve-$model.txt" 2>&1
     echo "bench serve $model exit $?"
     grep -E "Output token throughput|Median TPOT|kv_|requests_in_pool|running_peak|preemptions" "$OUT/serve-$model.txt"
