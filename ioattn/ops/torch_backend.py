@@ -12,7 +12,8 @@ nothing it would compute differently:
   1 < Nq < Nk as two calls merged by their LSE (the Nk - Nq keys every query sees, then the causal square), so
   the outputs round twice;
 - rows that see no key get 0 and LSE -inf (the kernel gives 0 and LSE 0);
-- not a sliding window (left >= 0, or right > 0): the tiled forward visits only the tiles a window can see.
+- not a sliding window (left >= 0, or right > 0): the tiled forward visits only the tiles a window can see;
+- not causal with softmax_scale <= 0: the kernel masks scores to -inf before scaling them, which gives NaN.
 
 `attention_forward` is the tiled forward: the Triton kernel's algorithm (online softmax over K/V tiles, float32
 accumulation, only the tiles a causal/window rule can see), memory linear in the sequence length (the largest
@@ -39,6 +40,9 @@ def sdpa_mismatch(inputs: AttentionInputs) -> str | None:
     left, right = _effective_window(inputs)
     if left >= 0 or right > 0:
         return f"sliding window ({left}, {right}): the tiled forward visits only the tiles it can see"
+    if right == 0 and inputs.softmax_scale <= 0:
+        return (f"causal with softmax_scale {inputs.softmax_scale:g} <= 0: torch's CPU kernel masks scores to -inf "
+                "before it scales them (NaN)")
     return None
 
 

@@ -29,6 +29,22 @@ def test_auto_on_cpu_is_the_torch_backend():
         assert words in str(plan), str(plan)
 
 
+@pytest.mark.parametrize("scale", [-0.25, 0.0])
+def test_causal_with_a_scale_at_or_below_zero_takes_the_tiled_forward(scale):
+    """torch's CPU SDPA kernel masks causal scores to -inf before scaling them: with a scale <= 0 every row would be
+    NaN (found by the op fuzzer: sdpa, Nq 1, Nk 2, is_causal, scale -0.25)."""
+    from ioattn.reference import attention_ref
+
+    q, k, v = qkv(n_q=3, n_k=5, dtype=torch.float16)
+    plan = ioattn.explain(q, k, v, causal=True, softmax_scale=scale)
+    assert plan.kernel == dispatch.TORCH_KERNEL and "softmax_scale" in str(plan) and "NaN" in str(plan), str(plan)
+    for out, align in ((ioattn.flash_attn_func(q, k, v, causal=True, softmax_scale=scale), "bottom_right"),
+                       (ioattn.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True,
+                                    scale=scale).transpose(1, 2), "top_left")):
+        ref, _ = attention_ref(q, k, v, causal=True, causal_align=align, softmax_scale=scale)
+        assert torch.isfinite(out).all() and ((out.double() - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_triton_on_cpu_runs_the_interpreter():
     plan = ioattn.explain(*qkv(), backend="triton")
     assert plan.backend == "triton" and plan.kernel.endswith("prefill_fwd_kernel")
