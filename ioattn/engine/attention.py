@@ -13,9 +13,12 @@ MLA models (DeepSeek-V2/V3, `config.mla`): one latent cache per layer, (num_bloc
 qk_rope_head_dim) in the model's dtype, each token's [latent ‖ k_rope] row, and no V cache; the layers call
 `ctx.attend_mla(q_nope, q_rope, latent, k_rope, layer_idx, projection)`. Decode rows attend in the absorbed form
 (`projection.absorb` folds W_UK into the query, `ioattn.ops.mla.mla_paged_attention` reads only the latent rows,
-`projection.output` applies W_UV); the multi-token rows gather their whole context's latent rows from the cache,
-expand them to per-head K/V and run `expanded_attention`, as the model's own dense path does. No window, sinks or
-fp8 for MLA yet.
+`projection.output` applies W_UV), and so do the multi-token rows of a step whose longest row has at most
+`absorbed_max_query` tokens (speculative verification, short prompt chunks: the kernel's multi-token queries);
+longer ones gather their whole context's latent rows from the cache, expand them to per-head K/V and run
+`expanded_attention`, as the model's own dense path does: past that length expanding the context once costs fewer
+FLOPs than attending over the 576-wide rows (170 tokens for DeepSeek-V2/V3's shapes). No window, sinks or fp8 for
+MLA yet.
 
 FP8 caches (`kv_cache_dtype`): the caches hold fp8, each layer's K and V scales (float32, one per KV head, see
 `ioattn.engine.kv_scales`) live here on the device and go to every cache write and attention call; blocks move
@@ -66,6 +69,14 @@ def latent_row_split(width: int) -> int:
             return parts
     raise ValueError(f"an MLA cache row of {width} values (kv_lora_rank + qk_rope_head_dim) must be a multiple of "
                      f"{HEAD_DIM_MULTIPLE} for the Triton cache writes")
+
+
+def absorbed_max_query(mla) -> int:
+    """The longest multi-token row whose attention costs fewer FLOPs absorbed than expanded (DeepSeek-V2/V3: 170).
+    Expanded, every context token goes through kv_b_proj once (rank·(dn + dv) multiply-adds a head) and each
+    query-key pair costs (dn + dr) + dv; absorbed, nothing is expanded and a pair costs (rank + dr) + rank."""
+    rank, dn, dr, dv = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    return rank * (dn + dv) // max(1, (rank + dr + rank) - (dn + dr + dv))
 
 
 @dataclass(frozen=True)
@@ -176,6 +187,7 @@ class PagedAttention:
         self.k_caches = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
         self.v_caches = [] if self.mla is not None else [
             torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in range(config.num_layers)]
+        self.absorbed_max_query = 0 if self.mla is None else absorbed_max_query(self.mla)
         self.cache_layout = (
             f"latent {self.mla.kv_lora_rank} + rope {self.mla.qk_rope_head_dim} per token per layer, one cache"
             if self.mla is not None else
@@ -307,8 +319,8 @@ class PagedAttention:
 
     def attend_mla(self, q_nope, q_rope, latent, k_rope, layer_idx: int, projection,
                    ctx: StepAttention) -> torch.Tensor:
-        """New tokens' [latent ‖ k_rope] rows into the layer's latent cache, then decode rows absorbed and the
-        multi-token rows expanded (see the module docstring) -> (T, H, v_head_dim)."""
+        """New tokens' [latent ‖ k_rope] rows into the layer's latent cache, then decode rows (and short multi-token
+        rows) absorbed, longer multi-token rows expanded (see the module docstring) -> (T, H, v_head_dim)."""
         cache, rank = self.k_caches[layer_idx], self.mla.kv_lora_rank
         rows = torch.cat((latent, k_rope), dim=-1)[:, None, :]  # (T, 1, rank + rope): one "KV head"
         # The row is both key and value, so one tensor is both; the Triton write takes it as row_split narrower heads.
@@ -324,14 +336,21 @@ class PagedAttention:
                               validate=False)
         n = q_nope.shape[0] if ctx.cu_seqlens_q is None else ctx.decode_rows
         decode_width, chunk_width = ctx.table_widths or (ctx.block_table.shape[1],) * 2
-        decoded = None
+        # Decode rows, and multi-token rows short enough that expanding their context would cost more, absorbed.
+        absorbed = q_nope.shape[0] if ctx.cu_seqlens_q is None or ctx.max_seqlen_q <= self.absorbed_max_query else n
+        query = torch.cat((projection.absorb(q_nope[:absorbed]), q_rope[:absorbed]), dim=-1)
+        common = dict(v_head_dim=rank, softmax_scale=projection.softmax_scale, workspace=self.workspace,
+                      backend=self.backend, validate=False)
+        o_latent = query.new_empty(absorbed, q_nope.shape[1], rank)
         if n:
-            query = torch.cat((projection.absorb(q_nope[:n]), q_rope[:n]), dim=-1)
-            o_latent = mla_paged_attention(query, cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
-                                           v_head_dim=rank, softmax_scale=projection.softmax_scale,
-                                           workspace=self.workspace, backend=self.backend, validate=False)
-            decoded = projection.output(o_latent)
-        if ctx.cu_seqlens_q is None:
+            mla_paged_attention(query[:n], cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
+                                out=o_latent[:n], **common)
+        if absorbed > n:
+            mla_paged_attention(query[n:], cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
+                                cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, out=o_latent[n:],
+                                **common)
+        decoded = projection.output(o_latent) if absorbed else None
+        if absorbed == q_nope.shape[0]:
             return decoded
         context = ctx.latent_context
         if context is None:
@@ -343,7 +362,7 @@ class PagedAttention:
         chunks = expanded_attention(q_nope[n:], q_rope[n:], k_nope, cached[:, rank:], v, ctx.cu_seqlens_q,
                                     context.cu_seqlens_k, ctx.max_seqlen_q, context.max_seqlen_k,
                                     projection.softmax_scale, backend=EXPANDED_BACKEND[self.backend])
-        return chunks if decoded is None else torch.cat((decoded, chunks))
+        return torch.cat((decoded, chunks)) if n else chunks
 
     def _cache_reads(self, ctx: StepAttention, window: tuple[int, int], k_cache) -> torch_paged.CacheReads:
         """The torch backend's reads for this step and window, built once: every layer of the step shares the
@@ -358,8 +377,9 @@ class PagedAttention:
     @torch.inference_mode()
     def warm_up(self, num_heads: int, max_tokens: int) -> None:
         """Compile every variant a step can take before serving, not during it (lab/README.md "compiles during
-        serving"): `ioattn.ops.paged.compile_variants` for each window of the model; for MLA the decode kernel's
-        split variants and the expanded path's varlen forward at one query token and at `max_tokens`."""
+        serving"): `ioattn.ops.paged.compile_variants` for each window of the model; for MLA the MLA kernel's
+        decode and multi-token variants (`ioattn.ops.mla.compile_mla_variants`) and the expanded path's varlen
+        forward at one query token and at `max_tokens`."""
         if self.backend != "triton":
             return
         if self.mla is not None:
@@ -374,7 +394,8 @@ class PagedAttention:
 
     def _warm_up_mla(self, num_heads: int, max_tokens: int) -> None:
         mla, cache = self.mla, self.k_caches[0]
-        compile_mla_variants(num_heads, cache, mla.kv_lora_rank, workspace=self.workspace)
+        compile_mla_variants(num_heads, cache, mla.kv_lora_rank, workspace=self.workspace,
+                             max_seqlen_q=min(self.absorbed_max_query, max_tokens))
         q_nope, k_nope = (cache.new_zeros(1, num_heads, mla.qk_nope_head_dim) for _ in range(2))
         q_rope, k_rope = cache.new_zeros(1, num_heads, mla.qk_rope_head_dim), cache.new_zeros(1, mla.qk_rope_head_dim)
         v = cache.new_zeros(1, num_heads, mla.v_head_dim)

@@ -304,15 +304,24 @@ def mla_paged_attention(
 
 
 def compile_mla_variants(num_heads: int, latent_cache: torch.Tensor, v_head_dim: int, *,
-                         workspace: PagedWorkspace | None = None) -> None:
-    """Run (so compile) every decode variant of `mla_paged_attention` a serving step can take with this cache, so
-    that no kernel compiles mid-serving: unsplit and at each power-of-two split count (the combine is specialised
-    on the count). The query is contiguous (tokens, heads, D), as the engine's absorbed query is; the cache is only
-    read."""
+                         workspace: PagedWorkspace | None = None, max_seqlen_q: int = 1) -> None:
+    """Run (so compile) every variant of `mla_paged_attention` a serving step can take with this cache, so that
+    no kernel compiles mid-serving: decode, and multi-token queries of up to `max_seqlen_q` tokens, unsplit and at
+    each power-of-two split count (the combine is specialised on the count), the multi-token ones at one, two and
+    sixteen query tiles per sequence (Triton specialises an int argument on being 1 or a multiple of 16). The
+    queries are contiguous (tokens, heads, D), as the engine's absorbed query is; the cache is only read."""
     device, width = latent_cache.device, latent_cache.shape[3]
-    q = torch.zeros(1, num_heads, width, dtype=latent_cache.dtype, device=device)
+    tile = plan_mla(torch.empty(1, num_heads, width, dtype=latent_cache.dtype, device=device), latent_cache,
+                    torch.zeros(1, 1, dtype=torch.int32, device=device), decode=False, max_seqlen_q=1,
+                    v_head_dim=v_head_dim, backend="triton").tokens_per_tile
+    lengths = sorted({1, *(n for n in (2 * tile, 16 * tile) if n <= max_seqlen_q)})
+    q = torch.zeros(lengths[-1], num_heads, width, dtype=latent_cache.dtype, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    common = dict(v_head_dim=v_head_dim, workspace=workspace, backend="triton", validate=False)
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
-        mla_paged_attention(q, latent_cache, table, seq_lens, v_head_dim=v_head_dim, num_splits=splits,
-                            workspace=workspace, backend="triton", validate=False)
+        mla_paged_attention(q[:1], latent_cache, table, torch.ones(1, dtype=torch.int32, device=device),
+                            num_splits=splits, **common)
+        for length in lengths:
+            cu_seqlens_q = torch.tensor([0, length], dtype=torch.int32, device=device)
+            mla_paged_attention(q[:length], latent_cache, table, cu_seqlens_q.new_tensor([length]),
+                                cu_seqlens_q=cu_seqlens_q, max_seqlen_q=length, num_splits=splits, **common)

@@ -23,7 +23,7 @@ from engine_helpers import greedy, make_engine, run_all
 from hf_checkpoints import save_hf_model
 from ioattn.distributed import DisaggregatedEngine
 from ioattn.distributed.tp import ShardPlan, load_tensor_parallel
-from ioattn.engine.attention import PagedAttention, latent_row_split
+from ioattn.engine.attention import PagedAttention, absorbed_max_query, latent_row_split
 from ioattn.engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.llm import LLM
@@ -67,10 +67,24 @@ def prompt(length: int, salt: int) -> list[int]:
     return [(salt * 37 + i * 11) % 93 + 3 for i in range(length)]
 
 
-def serve(ckpt: Checkpoint, prompts: dict[str, list[int]], n: int = 1, **engine_kwargs):
-    """Run every prompt to STEPS greedy tokens (n samples each) on one engine, check every sample against
-    transformers and that every block is free afterwards; returns the engine."""
-    engine = make_engine(model=engine_kwargs.pop("model", ckpt.loaded), **engine_kwargs)
+def route(engine, multi_token: str):
+    """Send the engine's multi-token rows down one path: "absorbed" (the MLA kernel's multi-token queries) or
+    "expanded" (the context's latents expanded, the varlen forward), whatever their length."""
+    engine.attention.absorbed_max_query = {"absorbed": 1 << 30, "expanded": 0}[multi_token]
+    return engine
+
+
+@pytest.fixture(params=["absorbed", "expanded"])
+def multi_token(request) -> str:
+    return request.param
+
+
+def serve(ckpt: Checkpoint, prompts: dict[str, list[int]], n: int = 1, multi_token: str = "absorbed",
+          **engine_kwargs):
+    """Run every prompt to STEPS greedy tokens (n samples each) on one engine whose multi-token rows take the
+    `multi_token` path, check every sample against transformers and that every block is free afterwards; returns
+    the engine."""
+    engine = route(make_engine(model=engine_kwargs.pop("model", ckpt.loaded), **engine_kwargs), multi_token)
     for request_id, ids in prompts.items():
         engine.add_request(request_id, prompt_token_ids=ids, params=greedy(STEPS, n=n))
     outputs = run_all(engine)
@@ -81,26 +95,26 @@ def serve(ckpt: Checkpoint, prompts: dict[str, list[int]], n: int = 1, **engine_
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["single", "batched"])
-def test_greedy_matches_hf_generate(checkpoint, batched):
+def test_greedy_matches_hf_generate(checkpoint, batched, multi_token):
     """One request alone, or four of different lengths and a fork (n=2, its shared partial block copied on write)
     in one batch."""
     prompts = {"alone": prompt(9, 1)}
     if batched:
         prompts.update({"short": prompt(3, 2), "mid": prompt(6, 3), "long": prompt(14, 4)})
-    engine = serve(checkpoint, prompts, n=2 if batched else 1)
+    engine = serve(checkpoint, prompts, n=2 if batched else 1, multi_token=multi_token)
     assert (engine.kv.stats().cow_copies > 0) == batched
 
 
-def test_chunked_prefill_matches_hf_generate(checkpoint):
+def test_chunked_prefill_matches_hf_generate(checkpoint, multi_token):
     """Prompts of 13 and 21 tokens prefill in chunks of a budget of 8, mixed with the other requests' decodes."""
     prompts = {"a": prompt(5, 5), "b": prompt(13, 6), "c": prompt(21, 7)}
-    serve(checkpoint, prompts, max_num_batched_tokens=8)
+    serve(checkpoint, prompts, max_num_batched_tokens=8, multi_token=multi_token)
 
 
-def test_prefix_cache_hits_match_hf_generate(checkpoint):
+def test_prefix_cache_hits_match_hf_generate(checkpoint, multi_token):
     system = prompt(16, 99)
     prompts = {f"s{i}": system + prompt(3 + i, 50 + i) for i in range(3)}
-    engine = make_engine(model=checkpoint.loaded)
+    engine = route(make_engine(model=checkpoint.loaded), multi_token)
     engine.add_request("warm", prompt_token_ids=prompts["s0"], params=greedy(STEPS))
     run_all(engine)
     for request_id, ids in prompts.items():
@@ -112,22 +126,24 @@ def test_prefix_cache_hits_match_hf_generate(checkpoint):
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_preemption_matches_hf_generate(checkpoint, preemption_mode):
+def test_preemption_matches_hf_generate(checkpoint, preemption_mode, multi_token):
     # 5 sequences of up to 26 tokens want ~30 blocks of 4; the pool has 14.
     prompts = {f"p{i}": prompt(10 + 2 * i, 20 + i) for i in range(5)}
     engine = serve(checkpoint, prompts, num_blocks=14, max_model_len=32, max_num_batched_tokens=12,
-                   preemption_mode=preemption_mode, swap_space=0.002)
+                   preemption_mode=preemption_mode, swap_space=0.002, multi_token=multi_token)
     assert engine.scheduler.num_preemptions > 0
     assert (engine.kv.stats().swap_out_blocks > 0) == (preemption_mode == "swap")
 
 
-def test_triton_backend_matches_hf_generate(checkpoint, device):
-    """reshape_and_cache into the latent cache, the MLA decode kernel and the varlen entry point (Triton's
-    interpreter on a CPU-only machine: a small batch), with a chunked prompt, decodes and swap preemption."""
+def test_triton_backend_matches_hf_generate(checkpoint, device, multi_token):
+    """reshape_and_cache into the latent cache, the MLA kernel (decode and multi-token queries) and the varlen entry
+    point (Triton's interpreter on a CPU-only machine: a small batch), with a chunked prompt, decodes and swap
+    preemption."""
     loaded = checkpoint.loaded if device == "cpu" else load_model(checkpoint.path, dtype=torch.float32, device=device)
     prompts = {"t0": prompt(11, 8), "t1": prompt(6, 9)}
     engine = serve(checkpoint, prompts, model=loaded, device=device, attention_backend="triton", num_blocks=6,
-                   max_model_len=24, max_num_batched_tokens=8, preemption_mode="swap", swap_space=0.002)
+                   max_model_len=24, max_num_batched_tokens=8, preemption_mode="swap", swap_space=0.002,
+                   multi_token=multi_token)
     assert engine.attention.backend == "triton" and engine.kv.stats().swap_out_blocks > 0
 
 
@@ -186,6 +202,14 @@ def test_latent_layout_and_block_bytes(checkpoint):
     # The CPU pool, sized in bytes, holds as many blocks of these.
     pooled = LLMEngine(checkpoint.loaded, EngineConfig(device="cpu", block_size=4, max_model_len=64))
     assert pooled.settings.num_blocks == CPU_KV_CACHE_BYTES // engine.settings.block_bytes
+
+
+def test_short_multi_token_rows_attend_absorbed_up_to_the_flop_crossover():
+    """DeepSeek-V2/V3's shapes: expanding a context token costs 512 x (128 + 128) multiply-adds a head, a
+    query-key pair 320 expanded against 1088 absorbed, so rows of up to 170 queries are cheaper absorbed."""
+    assert absorbed_max_query(PRESETS["deepseek-v2-lite-shape"].config.mla) == 170
+    engine = make_engine(model="tiny-mla")
+    assert engine.attention.absorbed_max_query == 170
 
 
 def test_latent_cache_holds_more_tokens_than_k_and_v():
@@ -260,12 +284,14 @@ def test_tensor_parallelism_is_refused(checkpoint):
         load_tensor_parallel(checkpoint.path, 0, 2, dtype="float32", device="cpu")
 
 
-def test_warm_up_runs_every_mla_variant(checkpoint, device):
+def test_warm_up_runs_every_mla_variant(device):
     """The start-up warm-up (on CUDA before serving; here called directly, under the interpreter on a CPU-only
-    machine): the decode kernel at every split count and the expanded path's forward, on the engine's own cache."""
-    config = checkpoint.loaded.config
+    machine): the MLA kernel's decode and multi-token variants at every split count and the expanded path's
+    forward, on the cache of one tiny-mla layer, which it only reads."""
+    config = PRESETS["tiny-mla"].config.replace(num_layers=1, layer_sliding_windows=(None,))
     attention = PagedAttention(config, num_blocks=4, block_size=4, dtype=torch.float32, device=device,
                                backend="triton", max_num_seqs=2)
-    before = [cache.clone() for cache in attention.k_caches]
+    attention.k_caches[0].copy_(torch.randn_like(attention.k_caches[0]))
+    before = attention.k_caches[0].clone()
     attention.warm_up(config.num_heads, max_tokens=8)
-    assert all(torch.equal(cache, old) for cache, old in zip(attention.k_caches, before))  # only read
+    assert torch.equal(attention.k_caches[0], before)
