@@ -39,6 +39,39 @@ def attention_grads_ref(q, k, v, do, *, scale, causal=False, bottom_right=True, 
     return (*grads[:3], grads[3] if mask_grad else None)
 
 
+def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, window_size=(-1, -1), cu_seqlens_q=None,
+                        cu_seqlens_k=None):
+    """(dq, dk, dv) with every sum taken over absolute values, in float64: dS = P * (dP - delta) bounded by
+    P * (|dP| + |delta|), then |dS| @ |K|, |dS|^T @ |Q|, P^T @ |dO| (delta from `saved_o`, as the backward forms it).
+
+    Float32 rounding inside any backward (dP, delta, the products) is proportional to these, not to the gradient
+    itself: where dP - delta cancels (a softmax row that is almost one-hot) the true dq can be far below them, and
+    a check relative to it alone would measure float32 arithmetic, not the kernel. Dense (B, N, H, D) or packed
+    varlen (total, H, D) inputs, as `attention_grads_ref` takes them (no mask)."""
+    packed = q.dim() == 3
+    q64, k64, v64, do64, o64 = (t.detach().double().cpu() for t in (q, k, v, do, saved_o))
+    if packed:
+        q64, k64, v64, do64, o64 = (t.unsqueeze(0) for t in (q64, k64, v64, do64, o64))
+    keys, group = k64.shape[1], q64.shape[2] // k64.shape[2]
+    # P itself, as attention with one-hot values: row i of the output is query i's probabilities over the keys.
+    eye = torch.eye(keys, dtype=torch.float64)[None, :, None, :].expand(1, keys, k64.shape[2], keys)
+    rules = dict(causal=causal, window_size=window_size, softmax_scale=scale)
+    if packed:
+        probs, _ = attention_ref(q64[0], k64[0], eye[0], cu_seqlens_q=cu_seqlens_q.cpu(),
+                                 cu_seqlens_k=cu_seqlens_k.cpu(), **rules)
+        probs = probs[None]
+    else:
+        probs = torch.cat([attention_ref(q64[b:b + 1], k64[b:b + 1], eye, **rules)[0] for b in range(q64.shape[0])])
+    k_e, v_e = (t.repeat_interleave(group, dim=2) for t in (k64, v64))
+    d_p = torch.einsum("bihd,bjhd->bihj", do64, v_e).abs()
+    delta = (do64 * o64).sum(-1).abs()[..., None]
+    weight = probs * (d_p + delta)
+    dq = scale * torch.einsum("bihj,bjhd->bihd", weight, k_e.abs())
+    dk, dv = (torch.einsum("bihj,bihd->bjhd", w, t.abs()) for w, t in ((weight * scale, q64), (probs, do64)))
+    dk, dv = (t.unflatten(2, (-1, group)).sum(3) for t in (dk, dv))
+    return tuple(t[0] if packed else t for t in (dq, dk, dv))
+
+
 def _random_mask(kind, batch, hq, n_q, n_k, dtype, device):
     if kind is None:
         return None

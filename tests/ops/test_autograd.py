@@ -303,3 +303,30 @@ def test_gpu_deterministic_bitwise_bf16():
     runs = grads_twice(lambda: ioattn.flash_attn_func(q, k, v, causal=True, deterministic=True), (q, k, v))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_gradient_magnitudes_bound_the_reference_and_show_cancellation(packed):
+    """The oracle the op fuzzer's gradient checks add float32's tolerance of: every reference gradient entry lies
+    within its magnitude (the same sums over absolute values), and a softmax row that is almost one-hot makes dq
+    cancel to far below it (the fuzzer's case: fp16, Nq 1, Nk 2, D 72, scale 0.5, p = 1 - 3.5e-7)."""
+    from attention_grad_ref import gradient_magnitudes
+
+    generator = torch.Generator().manual_seed(0)
+    shape_q, shape_k = ((7, 4, 16), (9, 2, 16)) if packed else ((2, 5, 4, 16), (2, 6, 2, 16))
+    q, k, v = (torch.randn(s, generator=generator, dtype=torch.float64) for s in (shape_q, shape_k, shape_k))
+    do = torch.randn(shape_q, generator=generator, dtype=torch.float64)
+    varlen = {}
+    if packed:
+        varlen = dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32),
+                      cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32))
+    o, _ = ioattn.reference.attention_ref(q, k, v, causal=True, softmax_scale=0.25, **varlen)
+    grads = attention_grads_ref(q, k, v, do, scale=0.25, causal=True, saved_o=o, **varlen)[:3]
+    for grad, magnitude in zip(grads, gradient_magnitudes(q, k, v, do, o, scale=0.25, causal=True, **varlen)):
+        assert grad.shape == magnitude.shape and (grad.abs() <= magnitude + 1e-12).all()
+    q1, k1 = torch.zeros(1, 1, 1, 8, dtype=torch.float64), torch.zeros(1, 2, 1, 8, dtype=torch.float64)
+    q1[..., 0], k1[0, 0, 0, 0] = 1.0, 60.0  # scores 15 and 0 at scale 0.25: p = 1 - 3e-7
+    v1, do1 = torch.randn(1, 2, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    o1, _ = ioattn.reference.attention_ref(q1, k1, v1, softmax_scale=0.25)
+    dq = attention_grads_ref(q1, k1, v1, do1, scale=0.25, saved_o=o1)[0]
+    assert dq.norm() < 1e-4 * gradient_magnitudes(q1, k1, v1, do1, o1, scale=0.25)[0].norm()

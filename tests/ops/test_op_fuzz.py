@@ -304,6 +304,14 @@ KNOWN_CASES = [
     *[dict(op="paged_attention", seed=13, dtype="float32", batch=1, seq_lens=[9], q_lens=None, page=4, Hkv=2,
            group=1, D=16, window=(-1, -1), sinks=0, splits=0, gather=None, table="ok", lens="ok", cu_q="ok",
            kv="fp8_e4m3", scales=bad) for bad in ("missing", "shape", "zero", "nan", "float64")],
+    # A softmax row one-hot to 3.5e-7: dq cancels to far below its summands, which float32 rounds in any backward
+    # (the gradient checks add float32's tolerance of those summands' magnitude).
+    dict(op="flash_attn_func", seed=3, dtype="float16", B=1, Nq=1, Nk=2, D=72, causal=False, window=(-1, -1),
+         scale=0.5, backend="auto", deterministic=None, layout="contiguous", grad=True, do_layout="contiguous", Hq=2,
+         Hkv=2),
+    # torch's CPU SDPA kernel under a causal call with a scale <= 0: NaN (its mask is applied before the scale).
+    dict(op="sdpa", B=1, Nq=1, Nk=2, mask_shape=[1, 2], seed=0, dtype="float16", D=8, causal=True, scale=-0.25,
+         gqa=True, backend="auto", mask=None, Hq=2, Hkv=2),
 ]
 
 
