@@ -339,13 +339,13 @@ class PagedAttention:
         # Decode rows, and multi-token rows short enough that expanding their context would cost more, absorbed.
         absorbed = q_nope.shape[0] if ctx.cu_seqlens_q is None or ctx.max_seqlen_q <= self.absorbed_max_query else n
         query = torch.cat((projection.absorb(q_nope[:absorbed]), q_rope[:absorbed]), dim=-1)
-        common = dict(v_head_dim=rank, softmax_scale=projection.softmax_scale, workspace=self.workspace,
-                      backend=self.backend, validate=False)
+        common = dict(v_head_dim=rank, softmax_scale=projection.softmax_scale, backend=self.backend, validate=False)
         o_latent = query.new_empty(absorbed, q_nope.shape[1], rank)
         if n:
             mla_paged_attention(query[:n], cache, ctx.block_table[:n, :decode_width], ctx.seq_lens[:n],
-                                out=o_latent[:n], **common)
-        if absorbed > n:
+                                workspace=self.workspace, out=o_latent[:n], **common)
+        if absorbed > n:  # split scratch of its own, as the paged path's chunks: the workspace is the decode rows'
+
             mla_paged_attention(query[n:], cache, ctx.block_table[n:, :chunk_width], ctx.seq_lens[n:],
                                 cu_seqlens_q=ctx.cu_seqlens_q, max_seqlen_q=ctx.max_seqlen_q, out=o_latent[n:],
                                 **common)

@@ -317,11 +317,11 @@ def compile_mla_variants(num_heads: int, latent_cache: torch.Tensor, v_head_dim:
     lengths = sorted({1, *(n for n in (2 * tile, 16 * tile) if n <= max_seqlen_q)})
     q = torch.zeros(lengths[-1], num_heads, width, dtype=latent_cache.dtype, device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    common = dict(v_head_dim=v_head_dim, workspace=workspace, backend="triton", validate=False)
+    common = dict(v_head_dim=v_head_dim, backend="triton", validate=False)
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
         mla_paged_attention(q[:1], latent_cache, table, torch.ones(1, dtype=torch.int32, device=device),
-                            num_splits=splits, **common)
-        for length in lengths:
+                            num_splits=splits, workspace=workspace, **common)
+        for length in lengths:  # the engine's multi-token calls take split scratch of their own
             cu_seqlens_q = torch.tensor([0, length], dtype=torch.int32, device=device)
             mla_paged_attention(q[:length], latent_cache, table, cu_seqlens_q.new_tensor([length]),
                                 cu_seqlens_q=cu_seqlens_q, max_seqlen_q=length, num_splits=splits, **common)
