@@ -316,8 +316,9 @@ def compile_mla_variants(num_heads: int, latent_cache: torch.Tensor, v_head_dim:
                     v_head_dim=v_head_dim, backend="triton").tokens_per_tile
     lengths = sorted({1, *(n for n in (2 * tile, 16 * tile) if n <= max_seqlen_q)})
     q = torch.zeros(lengths[-1], num_heads, width, dtype=latent_cache.dtype, device=device)
-    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    common = dict(v_head_dim=v_head_dim, backend="triton", validate=False)
+    # Every position of the longest query in block 0 (read only): the table covers all of them.
+    table = torch.zeros(1, cdiv(lengths[-1], latent_cache.shape[1]), dtype=torch.int32, device=device)
+    common = dict(v_head_dim=v_head_dim, backend="triton", validate=None)  # checked where checks are on
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
         mla_paged_attention(q[:1], latent_cache, table, torch.ones(1, dtype=torch.int32, device=device),
                             num_splits=splits, workspace=workspace, **common)

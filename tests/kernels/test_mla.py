@@ -243,3 +243,27 @@ def test_explain_routes_mla(device):
         ioattn.explain(q, cache, api="mla", block_table=table, seq_lens=lens)
     with pytest.raises(ValueError, match="v=None"):
         ioattn.explain(q, cache, cache, api="mla", block_table=table, seq_lens=lens, v_head_dim=64)
+
+
+def test_compile_variants_cover_every_split_count_and_query_tile_count(monkeypatch):
+    """What the engine's warm-up launches (the kernels not run here): decode and multi-token queries of 1, 2 and 16
+    query tiles at every power-of-two split count, each within its block table, decode through the workspace."""
+    from ioattn.ops import mla
+    from ioattn.ops.paged import MAX_SPLITS
+
+    calls = []
+
+    def record(q, latent_cache, block_table, seq_lens, *, num_splits, workspace=None, max_seqlen_q=None, **_):
+        capacity = block_table.shape[1] * latent_cache.shape[1]
+        assert int(seq_lens.max()) <= capacity and q.shape[0] == int(seq_lens.sum())
+        calls.append((max_seqlen_q, num_splits, workspace is not None))
+
+    monkeypatch.setattr(mla, "mla_paged_attention", record)
+    cache, workspace = torch.zeros(4, 4, 1, 64 + 16), mla_workspace(2, 4, 64)
+    mla.compile_mla_variants(4, cache, 64, workspace=workspace, max_seqlen_q=170)
+    tile = mla.plan_mla(torch.zeros(1, 4, 80), cache, torch.zeros(1, 1, dtype=torch.int32), decode=False,
+                        max_seqlen_q=1, v_head_dim=64, backend="triton").tokens_per_tile
+    splits = [1 << i for i in range(MAX_SPLITS.bit_length())]
+    assert sorted(calls, key=str) == sorted([(None, s, True) for s in splits]
+                                            + [(n, s, False) for s in splits for n in (1, 2 * tile, 16 * tile)],
+                                            key=str)
