@@ -12,15 +12,8 @@
 # From the repository root on the device (no wheels needed):
 #   OUT=/tmp/out bash lab/mla_gluon_h200.sh
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-exec > >(tee -a "$OUT/mla-gluon.log") 2>&1
-started=$SECONDS
-step() { echo "== $(( SECONDS - started )) s: $*"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
-echo "tree: ${TREE_COMMIT:-unknown} (the device copy's .git may be older than its working tree)"
+source "$(dirname "$0")/device_log.sh" mla-gluon.log
 
 step "1. GPU tests: MLA kernel, Gluon forward, engine"
 timeout 170 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \

@@ -13,15 +13,9 @@
 set -u
 FIRST_DECODE=${FIRST_DECODE:-0}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
-exec > >(tee -a "$OUT/w2-check.log") 2>&1
-started=$SECONDS
-step() { echo "== $(( SECONDS - started )) s: $*"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
-echo "tree: ${TREE_COMMIT:-unknown} (the device copy's .git is older than its working tree)"
+source "$(dirname "$0")/device_log.sh" w2-check.log
 
 step "1a. GPU tests: kernels and ops"
 timeout 150 python3 -m pytest -q -n 12 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider tests/kernels \
