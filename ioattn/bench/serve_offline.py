@@ -197,7 +197,8 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
         "kv_pool_tokens": pool_slots,
         "kv_bytes_per_token": engine.settings.block_bytes / engine.kv.block_size,
         # the pool's tokens over a request's whole length (prompt + output), at this workload's mean
-        "requests_in_pool": pool_slots / statistics.fmean(len(w.prompt_token_ids) + w.output_len for w in work),
+        "requests_in_pool": pool_slots / statistics.fmean(len(w.prompt_token_ids) + w.output_len for w in work)
+        if work else None,
         "running_peak": max(running, default=0),
         "kv_cache_dtype": engine.attention.describe()["cache_dtype"],
         "kv_cache_layout": engine.attention.cache_layout,

@@ -179,3 +179,5 @@ def test_run_engine_reports_an_mla_pool():
     assert run["kv_bytes_per_token"] == 2 * (512 + 64) * 4 and run["kv_pool_tokens"] == 32 * 16
     assert run["kv_cache_layout"] == "latent 512 + rope 64 per token per layer, one cache"
     assert 1 <= run["running_peak"] <= 4
+    empty = serve_offline.run_engine(engine, [], 0.0, serve_offline.Pacing([]))  # no request: no mean length
+    assert empty["completed"] == 0 and empty["requests_in_pool"] is None and empty["running_peak"] == 0
