@@ -24,7 +24,7 @@ from ioattn.ops import torch_paged
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
 from ioattn.ops.cache import resolve_backend
 from ioattn.ops.checks import (
-    SUPPORTED_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor, checks_contents, is_int,
+    check_cu_seqlens, check_max_seqlen, check_tensor, checks_contents, is_int,
     softmax_scale_or_default,
 )
 from ioattn.ops.paged import (
