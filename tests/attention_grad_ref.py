@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ioattn.reference import attention_ref
+from ioattn.reference import TOLERANCE, attention_ref
 
 
 def attention_grads_ref(q, k, v, do, *, scale, causal=False, bottom_right=True, window_size=(-1, -1),
@@ -39,15 +39,16 @@ def attention_grads_ref(q, k, v, do, *, scale, causal=False, bottom_right=True, 
     return (*grads[:3], grads[3] if mask_grad else None)
 
 
-def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, window_size=(-1, -1), cu_seqlens_q=None,
-                        cu_seqlens_k=None):
-    """(dq, dk, dv) with every sum taken over absolute values, in float64: dS = P * (dP - delta) bounded by
-    P * (|dP| + |delta|), then |dS| @ |K|, |dS|^T @ |Q|, P^T @ |dO| (delta from `saved_o`, as the backward forms it).
+def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, bottom_right=True, window_size=(-1, -1),
+                        attn_mask=None, cu_seqlens_q=None, cu_seqlens_k=None):
+    """(dq, dk, dv, dmask) with every sum taken over absolute values, in float64: dS = P * (dP - delta) bounded by
+    P * (|dP| + |delta|), then |dS| @ |K|, |dS|^T @ |Q|, P^T @ |dO| (delta from `saved_o`, as the backward forms it),
+    and |dS| summed to the shape of an additive `attn_mask` (dmask is None for no mask or a bool one).
 
     Float32 rounding inside any backward (dP, delta, the products) is proportional to these, not to the gradient
     itself: where dP - delta cancels (a softmax row that is almost one-hot) the true dq can be far below them, and
     a check relative to it alone would measure float32 arithmetic, not the kernel. Dense (B, N, H, D) or packed
-    varlen (total, H, D) inputs, as `attention_grads_ref` takes them (no mask)."""
+    varlen (total, H, D) inputs, as `attention_grads_ref` takes them (masks dense only)."""
     packed = q.dim() == 3
     q64, k64, v64, do64, o64 = (t.detach().double().cpu() for t in (q, k, v, do, saved_o))
     if packed:
@@ -55,13 +56,17 @@ def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, window_siz
     keys, group = k64.shape[1], q64.shape[2] // k64.shape[2]
     # P itself, as attention with one-hot values: row i of the output is query i's probabilities over the keys.
     eye = torch.eye(keys, dtype=torch.float64)[None, :, None, :].expand(1, keys, k64.shape[2], keys)
-    rules = dict(causal=causal, window_size=window_size, softmax_scale=scale)
+    rules = dict(causal=causal, causal_align="bottom_right" if bottom_right else "top_left", window_size=window_size,
+                 softmax_scale=scale)
     if packed:
         probs, _ = attention_ref(q64[0], k64[0], eye[0], cu_seqlens_q=cu_seqlens_q.cpu(),
                                  cu_seqlens_k=cu_seqlens_k.cpu(), **rules)
         probs = probs[None]
     else:
-        probs = torch.cat([attention_ref(q64[b:b + 1], k64[b:b + 1], eye, **rules)[0] for b in range(q64.shape[0])])
+        mask = None if attn_mask is None else attn_mask.detach().cpu()
+        probs = torch.cat([attention_ref(q64[b:b + 1], k64[b:b + 1], eye, **rules,
+                                         attn_mask=None if mask is None else mask[b % mask.shape[0]][None])[0]
+                           for b in range(q64.shape[0])])
     k_e, v_e = (t.repeat_interleave(group, dim=2) for t in (k64, v64))
     d_p = torch.einsum("bihd,bjhd->bihj", do64, v_e).abs()
     delta = (do64 * o64).sum(-1).abs()[..., None]
@@ -69,7 +74,24 @@ def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, window_siz
     dq = scale * torch.einsum("bihj,bjhd->bihd", weight, k_e.abs())
     dk, dv = (torch.einsum("bihj,bihd->bjhd", w, t.abs()) for w, t in ((weight * scale, q64), (probs, do64)))
     dk, dv = (t.unflatten(2, (-1, group)).sum(3) for t in (dk, dv))
-    return tuple(t[0] if packed else t for t in (dq, dk, dv))
+    dmask = None
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        dmask = weight.transpose(1, 2)  # (B, H, Nq, Nk), then summed over the mask's broadcast dimensions
+        dmask = dmask.sum([i for i, n in enumerate(attn_mask.shape) if n == 1 and dmask.shape[i] != 1], keepdim=True)
+    return (*(t[0] if packed else t for t in (dq, dk, dv)), dmask)
+
+
+def gradient_error(name, grad, ref, magnitude, dtype):
+    """None when `grad` is within the dtype's tolerance of the float64 reference plus float32's tolerance of its
+    summands' magnitude (`gradient_magnitudes`), else what is wrong: float32 rounds inside every backward, and
+    where the reference cancels to far below its summands that rounding, not the kernel, would decide the check."""
+    tolerance = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    err = (grad.double().cpu() - ref.double().cpu()).norm().item()
+    bound = tolerance * ref.norm().item() + TOLERANCE[torch.float32] * magnitude.norm().item()
+    if not err <= bound:  # NaN and inf fail
+        return (f"{name} error {err:.3g} > {bound:.3g} ({tolerance:.0e} of |ref| + {TOLERANCE[torch.float32]:.0e} "
+                f"of the summands' magnitude; rel error {err / max(ref.norm().item(), 1e-300):.3g})")
+    return None
 
 
 def _random_mask(kind, batch, hq, n_q, n_k, dtype, device):
@@ -132,3 +154,10 @@ def reference_grads(problem: Problem, mask_grad: bool = False):
           if n not in ("max_seqlen_q", "max_seqlen_k")}
     return attention_grads_ref(problem.q.cpu(), problem.k.cpu(), problem.v.cpu(), problem.do.cpu(),
                                mask_grad=mask_grad, saved_o=problem.o.cpu(), **kw)
+
+
+def problem_gradient_magnitudes(problem: Problem):
+    """`gradient_magnitudes` of a `make_problem` problem (what its float32 rounding is proportional to)."""
+    kw = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in problem.kwargs.items()
+          if n not in ("max_seqlen_q", "max_seqlen_k")}
+    return gradient_magnitudes(problem.q, problem.k, problem.v, problem.do, problem.o, **kw)

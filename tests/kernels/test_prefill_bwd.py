@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_grad_ref import make_problem, reference_grads
+from attention_grad_ref import gradient_error, make_problem, problem_gradient_magnitudes, reference_grads
 from ioattn.ops.backward import (
     BwdConfig,
     attention_bwd,
@@ -37,14 +37,15 @@ def check(problem, dtype, *, mask_grad=False, config=None, deterministic=False):
                                       **problem.kwargs, mask_grad=mask_grad, config=config,
                                       deterministic=deterministic)
     ref = reference_grads(problem, mask_grad)
-    for name, got, want in zip(("dq", "dk", "dv", "dmask"), (dq, dk, dv, dmask), ref):
+    magnitudes = problem_gradient_magnitudes(problem)
+    for name, got, want, magnitude in zip(("dq", "dk", "dv", "dmask"), (dq, dk, dv, dmask), ref, magnitudes):
         if want is None:
             assert got is None
             continue
         expected_dtype = problem.kwargs["attn_mask"].dtype if name == "dmask" else problem.q.dtype
         assert got.shape == want.shape and got.dtype == expected_dtype, name
-        err = rel_error(got, want)
-        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+        error = gradient_error(name, got, want, magnitude, dtype)
+        assert error is None, error
     return dq, dk, dv, dmask
 
 
