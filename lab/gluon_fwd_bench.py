@@ -3,12 +3,12 @@ ioattn's Triton forward (`ioattn.flash_attn_func`) and torch SDPA's cuDNN backen
 
     PYTHONPATH=. python3 lab/gluon_fwd_bench.py [--variants] [--budget-s 85]     # writes $OUT/gluon_fwd.json
 
-bf16, B·N = 16k tokens, H·D = 2048 (D 64 and 128; N 2k, 8k, 16k; causal and not), plus the D=128 N=8k causal
+bf16, B·N = 16k tokens, H·D = 2048 (D 64, 128 and 256; N 2k, 8k, 16k; causal and not), plus the D=128 N=8k causal
 GQA 16/4 row of MEASURING.md. Each backend runs first on NaN-poisoned (gluon) or fresh outputs and is compared
 with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
 `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
 4·B·H·Nq·Nk·D, halved for causal. `--variants` adds the kernel without ping-pong and with an unconditional
-rescale (threshold 0). The JSON is rewritten after every row; the run stops between rows past the budget.
+rescale (threshold 0), `--configs` other (block_n, stages) per head dim. The JSON is rewritten after every row; the run stops between rows past the budget.
 Without an sm_90 GPU it says so and exits.
 """
 
@@ -27,17 +27,21 @@ import torch
 from ioattn.bench import harness
 
 OUT = os.environ.get("OUT", "/tmp/out")
-SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64) for n in (16384, 8192, 2048)
+SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64, 256) for n in (16384, 8192, 2048)
           for causal in (False, True)] + [(128, 8192, True, 16, 4)]
+# --configs: other tile shapes per head dim (block_n, ring stages), each timed as its own backend
+CONFIG_VARIANTS = {64: [(64, 4), (256, 2)], 128: [(64, 4), (64, 3)], 256: [(32, 4), (32, 3)]}
 TOKENS = 16384
 
 
-def _backends(variants: bool) -> dict:
+def _backends(variants: bool, configs: bool) -> dict:
     import ioattn
     from ioattn.ops.gluon_forward import gluon_config, gluon_forward
 
-    def gluon(**override):
+    def gluon(head_dims=None, **override):
         def run(q, k, v, causal, out):
+            if head_dims is not None and q.shape[-1] not in head_dims:
+                raise ValueError(f"variant for D in {head_dims} only")
             config = dataclasses.replace(gluon_config(q.shape[-1]), **override) if override else None
             return gluon_forward(q, k, v, causal=causal, out=out, config=config)[0]
         return run
@@ -58,6 +62,10 @@ def _backends(variants: bool) -> dict:
     if variants:
         backends.update({"gluon-no-pingpong": gluon(pingpong=False),
                          "gluon-rescale-always": gluon(rescale_threshold=0.0)})
+    if configs:
+        for d, shapes in CONFIG_VARIANTS.items():
+            for block_n, stages in shapes:
+                backends[f"gluon-d{d}-n{block_n}-s{stages}"] = gluon((d,), block_n=block_n, stages=stages)
     return backends
 
 
@@ -72,6 +80,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", action="store_true",
                    help="also time the kernel without ping-pong and with an unconditional rescale")
+    p.add_argument("--configs", action="store_true", help="also time other (block_n, stages) per head dim")
+    p.add_argument("--head-dims", default="128,64,256", help="rows of these head dims only")
     p.add_argument("--budget-s", type=float, default=85.0, help="stop between rows past this many seconds")
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -90,9 +100,12 @@ def main() -> int:
 
     results["ceilings"] = harness.measure_ceilings("cuda", [torch.bfloat16])
     save()
-    backends = _backends(args.variants)
+    backends = _backends(args.variants, args.configs)
+    head_dims = {int(d) for d in args.head_dims.split(",")}
     dtype = torch.bfloat16
     for d, n, causal, hq, hkv in SHAPES:
+        if d not in head_dims:
+            continue
         if time.time() - started > args.budget_s:
             results["not_run"] = results.get("not_run", []) + [[d, n, causal, hq, hkv]]
             continue
@@ -103,6 +116,8 @@ def main() -> int:
         flops = harness.attention_flops(batch, hq, n, n, d, causal=causal)
         row_ms = {}
         for name, fn in backends.items():
+            if name.startswith("gluon-d") and not name.startswith(f"gluon-d{d}-"):
+                continue
             row = dict(backend=name, dtype="bfloat16", B=batch, Hq=hq, Hkv=hkv, Nq=n, Nk=n, D=d, causal=causal)
             try:
                 out = torch.full_like(q, float("nan"))
@@ -124,7 +139,7 @@ def main() -> int:
                                                       "rel_error", "status")}), flush=True)
             save()
         # ratios once every backend of the shape has run (gluon runs first, before its peers)
-        for row in results["rows"][-len(backends):]:
+        for row in [r for r in results["rows"] if (r["D"], r["Nq"], r["causal"], r["Hq"]) == (d, n, causal, hq)]:
             if row["backend"].startswith("gluon") and "ms" in row:
                 for peer in ("ioattn", "torch-cudnn"):
                     if peer in row_ms:
