@@ -47,7 +47,7 @@ def _backends(variants: bool, configs: bool) -> dict:
         return run
 
     def ioattn_fwd(q, k, v, causal, out):
-        return ioattn.flash_attn_func(q, k, v, causal=causal)
+        return ioattn.flash_attn_func(q, k, v, causal=causal, backend="triton")
 
     def cudnn(q, k, v, causal, out):
         from torch.nn.attention import SDPBackend, sdpa_kernel

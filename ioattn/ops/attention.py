@@ -44,6 +44,12 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
         else:
             torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
+    if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: dense, unmasked, 16-bit, sm_90
+        from ioattn.ops.gluon_forward import gluon_forward
+
+        gluon_forward(inputs.q, inputs.k, inputs.v, causal=inputs.window_right == 0, softmax_scale=inputs.softmax_scale,
+                      out=out, lse=lse, config=plan.config)
+        return
     if plan.upcast:
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)
         _forward(_upcast(inputs), dataclasses.replace(plan, upcast=False), out32, lse)
@@ -160,11 +166,12 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
     LSE -inf. Returns out (B, Nq, Hq, D), or (out, lse) with lse float32 natural log (B, Hq, Nq) when
     return_lse=True (not differentiable). Differentiable in q, k, v; deterministic: True for a bitwise
     reproducible backward (no atomics; see the module docstring for the cost), None for IOATTN_DETERMINISTIC=1
-    or torch.are_deterministic_algorithms_enabled(). backend: "auto" (Triton on CUDA, the torch backend on
-    CPU: torch's CPU SDPA kernel where it is exact, else the tiled torch forward; `explain` says which), "triton"
-    or "torch".
+    or torch.are_deterministic_algorithms_enabled(). backend: "auto" (on CUDA the Triton forward, or on sm_90
+    the Gluon warp-specialized forward where it takes the call and was measured faster; on CPU torch's CPU SDPA
+    kernel where it is exact, else the tiled torch forward; `explain` says which and why), "triton", "gluon"
+    (sm_90 only; raises naming what it does not take) or "torch".
     """
-    checks.check_backend(backend)
+    checks.check_backend(backend, checks.ATTENTION_BACKENDS)
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
     out, lse = _apply(q, k, v, inputs, backend, False, deterministic)
     return (out, lse) if return_lse else out
@@ -183,7 +190,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_q, Hq, D), or (out, lse) with lse float32 (Hq, total_q) when return_lse=True (not differentiable).
     Differentiable in q, k, v; `deterministic` and `backend` as in flash_attn_func.
     """
-    checks.check_backend(backend)
+    checks.check_backend(backend, checks.ATTENTION_BACKENDS)
     inputs = checks.validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                     window_size, softmax_scale, validate)
     out, lse = _apply(q, k, v, inputs, backend, False, deterministic)
@@ -206,7 +213,7 @@ def sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_
     in the mask's own shape). PyTorch's sdpa has no `deterministic` argument: the backward is deterministic
     when IOATTN_DETERMINISTIC=1 or torch.use_deterministic_algorithms(True) is in effect.
     """
-    checks.check_backend(backend)
+    checks.check_backend(backend, checks.ATTENTION_BACKENDS)
     inputs = checks.validate_sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
     out, _ = _apply(query, key, value, inputs, backend, True, None, attn_mask)
     return out

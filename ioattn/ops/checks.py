@@ -218,9 +218,12 @@ def broadcast_mask(attn_mask, batch: int, heads: int, n_q: int, n_k: int, device
     return attn_mask.expand(target) if len(shape) == 4 else attn_mask[(None,) * (4 - len(shape))].expand(target)
 
 
-def check_backend(backend) -> None:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be one of 'auto', 'triton', 'torch'; got {backend!r}")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "gluon")
+
+
+def check_backend(backend, allowed: tuple[str, ...] = ("auto", "triton", "torch")) -> None:
+    if backend not in allowed:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in allowed)}; got {backend!r}")
 
 
 def check_dense_qkv(names: tuple[str, str, str], tensors, layout: str) -> None:

@@ -22,6 +22,7 @@ from ioattn.ops import checks, torch_backend, torch_backward
 from ioattn.ops.backward import BwdConfig, deterministic_default, tuned_bwd_config
 from ioattn.ops.capability import MAX_GRID_Y, device_capability, interpreter_upcast
 from ioattn.ops.forward import FwdConfig, FwdProblem, fit_shared_memory, tuned_config
+from ioattn.ops import gluon_forward
 from ioattn.ops.checks import AttentionInputs
 
 logger = logging.getLogger("ioattn")
@@ -32,13 +33,15 @@ TORCH_SDPA_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu (torch's C
 TRITON_BWD_KERNEL = ("ioattn.kernels.prefill_bwd.attention_bwd_dq_kernel (with the row statistics), then "
                      "attention_bwd_dkdv_kernel (launched by ioattn.ops.backward.attention_bwd)")
 TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
+GLUON_KERNEL = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (sm_90 warp-specialized: a TMA producer warp, two "
+                "ping-pong consumer warpgroups)")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a call will run and why; str() is the human-readable explanation."""
 
-    backend: str  # "triton" | "torch"
+    backend: str  # "triton" | "gluon" | "torch"
     kernel: str
-    config: FwdConfig | None  # Triton tile configuration (None for the torch backend)
+    config: FwdConfig | gluon_forward.GluonConfig | None  # the kernel's tiles (None for the torch backend)
     problem: FwdProblem
     copies: tuple[tuple[str, str], ...]  # (input name, why) for inputs copied to contiguous before the kernel
     reason: str
@@ -120,15 +123,34 @@ def _pack_gqa(inputs: AttentionInputs, config: FwdConfig) -> bool:
             and inputs.max_seqlen_q * 2 <= config.block_m)
 
 
+def gluon_unsupported(inputs: AttentionInputs, capability: tuple[int, int] | None) -> str | None:
+    """Why the Gluon forward cannot take this call (None when it can)."""
+    if capability is None or capability[0] != 9:
+        return f"it is sm_90 only (this device: {'CPU' if capability is None else 'sm_%d%d' % capability})"
+    if inputs.varlen:
+        return "it takes dense batches, not varlen"
+    if inputs.attn_mask is not None:
+        return "it takes no attn_mask"
+    if inputs.k_descale is not None or inputs.v_descale is not None:
+        return "it takes no fp8 descales"
+    causal = inputs.window_left < 0 and inputs.window_right == 0
+    if not causal and (inputs.window_left >= 0 or inputs.window_right >= 0):
+        return "it takes no sliding window (causal or none)"
+    if causal and not inputs.bottom_right and inputs.q.shape[1] != inputs.k.shape[1]:
+        return "its causal mask is aligned bottom-right, this call's top-left with Nq != Nk"
+    return gluon_forward.gluon_unsupported(inputs.q, inputs.k, inputs.v)
+
+
 def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | None = None,
          deterministic: bool | None = None, bwd_config: BwdConfig | None = None) -> Plan:
     """Choose backend and tiles; an explicit `config` / `bwd_config` (tuning, benchmarks) replaces the table
     lookup of the forward / backward."""
-    checks.check_backend(backend)
+    checks.check_backend(backend, checks.ATTENTION_BACKENDS)
     deterministic = resolve_deterministic(deterministic)
     q = inputs.q
     precision = "tf32" if q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    if backend == "auto":
+    auto = backend == "auto"
+    if auto:
         backend = "triton" if q.device.type == "cuda" else "torch"
         why = f"auto: {q.device.type} tensors"
     else:
@@ -145,13 +167,29 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
                     f"SDPA: {mismatch})", (torch_backend.DEFAULT_BLOCK_M, torch_backend.DEFAULT_BLOCK_N),
                     bwd_kernel=TORCH_BWD_KERNEL, deterministic=True)
     if q.device.type != "cuda" and not interpreted():
-        raise ValueError(f"backend='triton' needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before import")
+        raise ValueError(f"backend={backend!r} needs CUDA tensors (got {q.device}) or TRITON_INTERPRET=1 set before "
+                         "import")
     batch = inputs.cu_seqlens_q.numel() - 1 if inputs.varlen else q.shape[0]
     if batch * q.shape[-2] > MAX_GRID_Y:
         raise ValueError(f"batch x query heads ({batch} x {q.shape[-2]}) exceeds {MAX_GRID_Y}, the second grid "
                          "dimension of the Triton kernels: split the batch into several calls")
     capability = device_capability(q.device)
     causal = inputs.window_right == 0 and inputs.window_left < 0
+    if bwd_config is None:
+        bwd_config, bwd_source = tuned_bwd_config(q.shape[-1], q.dtype, capability)
+    else:
+        bwd_source = "backward: explicit config from the caller"
+    if backend == "gluon" or (auto and capability is not None and capability[0] == 9):
+        unsupported = gluon_unsupported(inputs, capability)
+        if backend == "gluon" and unsupported:
+            raise ValueError(f"backend='gluon' cannot take this call: {unsupported}")
+        faster = None if unsupported else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1], inputs.k.shape[1])
+        if backend == "gluon" or (faster and config is None):
+            problem = FwdProblem(inputs.softmax_scale, -1, 0 if causal else -1, True, "ieee", False)
+            return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1]), problem, (),
+                        f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
+                        bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
+        why += f"; not the Gluon forward: {unsupported or 'not measured faster for this shape (GLUON_FASTER)'}"
     if config is None:
         config, source = tuned_config(q.shape[-1], q.dtype, causal, capability, inputs.max_seqlen_q)
         if capability is not None:
@@ -164,10 +202,6 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
     pack_gqa = _pack_gqa(inputs, config)
     problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, inputs.bottom_right,
                          precision, pack_gqa)
-    if bwd_config is None:
-        bwd_config, bwd_source = tuned_bwd_config(q.shape[-1], q.dtype, capability)
-    else:
-        bwd_source = "backward: explicit config from the caller"
     return Plan("triton", TRITON_KERNEL, config, problem, copies, f"{why}; {source}; {bwd_source}",
                 bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic,
                 upcast=interpreter_upcast(q.dtype))

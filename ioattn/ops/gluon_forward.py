@@ -1,8 +1,9 @@
 """Launcher of the Gluon warp-specialized forward (`ioattn.kernels.gluon_fwd`), sm_90 only.
 
 `gluon_forward(q, k, v, causal=..., softmax_scale=...)` takes flash-attn's dense layout (B, N, H, D), returns
-(out, lse) as `ioattn.flash_attn_func(..., return_attn_probs=True)` does its first two results: out like q, LSE
-float32 (B, Hq, Nq) in natural log. Not wired into `ioattn.ops.dispatch` (yet): call it directly.
+(out, lse) as `ioattn.flash_attn_func(..., return_lse=True)` does: out like q, LSE float32 (B, Hq, Nq) in natural
+log. `ioattn.ops.dispatch` picks it for `flash_attn_func` / `sdpa` on sm_90 where it takes the call and
+`GLUON_FASTER` says it was measured faster than the Triton forward; `backend="gluon"` asks for it.
 """
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ HEAD_DIMS = tuple(_CONFIGS)
 
 def gluon_config(head_dim: int) -> GluonConfig:
     return _CONFIGS[head_dim]
+
+
+# Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
+# tokens per sequence from which it was measured faster on the H200 (bench/results/2026-12-05-mla-gluon-h200:
+# bf16, B·N = 16k, H·D = 2048). D 64 is slower at every length measured; absent pairs stay on Triton.
+GLUON_FASTER = {(128, False): 8192, (128, True): 2048}
+
+
+def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:
+    """Why the Gluon forward is the faster one for this shape (None when the Triton forward is, or unmeasured)."""
+    least = GLUON_FASTER.get((head_dim, causal))
+    if least is None or min(n_q, n_k) < least:
+        return None
+    return (f"Gluon forward measured faster than the Triton one at D={head_dim} {'causal' if causal else 'non-causal'}"
+            f" from {least} tokens (GLUON_FASTER)")
+
+
+def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why `gluon_forward` cannot take q, k, v (None when it can): the message of the ValueError it would raise."""
+    try:
+        _check(q, k, v, None)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def tile_layout(rows: int, head_dim: int, dtype_name: str):
@@ -112,11 +137,11 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                  config: GluonConfig | None = None):
+                  lse: torch.Tensor | None = None, config: GluonConfig | None = None):
     """Exact attention forward on sm_90 through the warp-specialized Gluon kernel. q: (B, Nq, Hq, D); k, v:
     (B, Nk, Hkv, D) with Hq a multiple of Hkv; fp16 or bf16; D in HEAD_DIMS; causal aligned bottom-right
     (flash-attn). Returns (out, lse): out like q (written into `out` when given), lse float32 (B, Hq, Nq),
-    natural log; rows that see no key give 0 and -inf. `config` overrides the head dim's `gluon_config` (the
+    natural log (written into `lse` when given: contiguous); rows that see no key give 0 and -inf. `config` overrides the head dim's `gluon_config` (the
     lab's variants). Raises ValueError naming the argument for inputs the kernel does not take."""
     _check(q, k, v, out)
     batch, n_q, hq, d = q.shape
@@ -126,7 +151,12 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
     if out is None:
         out = torch.empty_like(q)
-    lse = torch.empty(batch, hq, n_q, dtype=torch.float32, device=q.device)
+    if lse is None:
+        lse = torch.empty(batch, hq, n_q, dtype=torch.float32, device=q.device)
+    elif lse.shape != (batch, hq, n_q) or lse.dtype != torch.float32 or not lse.is_contiguous() \
+            or lse.device != q.device:
+        raise ValueError(f"lse must be a contiguous float32 ({batch}, {hq}, {n_q}) tensor on {q.device}, got "
+                         f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
     if batch == 0 or n_q == 0 or hq == 0:
         return out, lse
     if n_k == 0:  # TMA boxes need a non-empty tensor; no key: O = 0, LSE = -inf

@@ -189,3 +189,63 @@ def test_empty_and_rejected_inputs():
     with pytest.raises(ValueError, match="softmax_scale"):
         gluon_forward(q, k, v, softmax_scale=-1.0)
     assert math.isfinite(gluon_forward(q, k, v, causal=True)[1].max().item())
+
+
+def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster():
+    """The decision on any machine: plan() on CPU tensors with the capability and table lookups it combines."""
+    import ioattn
+    from ioattn.ops import checks, dispatch
+    from ioattn.ops.gluon_forward import GLUON_FASTER, gluon_faster
+
+    assert gluon_faster(128, True, 2048, 2048) and gluon_faster(128, False, 8192, 16384)
+    assert gluon_faster(128, False, 2048, 2048) is None and gluon_faster(64, True, 16384, 16384) is None
+    assert all(gluon_faster(d, c, n, n) is None for (d, c), n in GLUON_FASTER.items() for n in [n - 1])
+    q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
+    dense = checks.validate_dense(q, q, q, True, (-1, -1), None)
+    assert "sm_90 only" in dispatch.gluon_unsupported(dense, None)
+    assert "sm_90 only" in dispatch.gluon_unsupported(dense, (8, 0))
+    windowed = checks.validate_dense(q, q, q, False, (3, 0), None)
+    assert "sliding window" in dispatch.gluon_unsupported(windowed, (9, 0))
+    masked = checks.validate_sdpa(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
+                                  torch.ones(4, 4, dtype=torch.bool), False, None, False)
+    assert "attn_mask" in dispatch.gluon_unsupported(masked, (9, 0))
+    top_left = checks.validate_sdpa(q[:, :3].transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), None, True,
+                                    None, False)
+    assert "top-left" in dispatch.gluon_unsupported(top_left, (9, 0))
+    flat = q.reshape(4, 2, 128)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    varlen = checks.validate_varlen(flat, flat, flat, cu, cu, 4, 4, True, (-1, -1), None, True)
+    assert "varlen" in dispatch.gluon_unsupported(varlen, (9, 0))
+    with pytest.raises(ValueError, match="backend='gluon' cannot take this call: it is sm_90 only"):
+        ioattn.explain(q, q, q, causal=True, backend="gluon")
+    with pytest.raises(ValueError, match="'gluon'"):
+        ioattn.flash_attn_func(q, q, q, backend="cudnn")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal, n", [(True, 2048), (False, 8192)])
+def test_auto_dispatch_runs_gluon_forward_and_triton_backward(causal, n):
+    """Where GLUON_FASTER says so, flash_attn_func and sdpa run the Gluon forward (explain names it); the
+    result and the LSE match the float64 reference and the gradients (Triton backward on the Gluon O and LSE)
+    match float64 autograd."""
+    import ioattn
+    from attention_grad_ref import attention_grads_ref
+
+    q, k, v = _inputs(1, n, n, 4, 2, 128, torch.bfloat16, seed=n)
+    plan = ioattn.explain(q, k, v, causal=causal)
+    assert plan.backend == "gluon" and "gluon_fwd_kernel" in plan.kernel, str(plan)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ioattn.flash_attn_func(*leaves, causal=causal, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
+    do = torch.randn_like(out)
+    out.backward(do)
+    want = attention_grads_ref(q, k, v, do, scale=128 ** -0.5, causal=causal, saved_o=out.detach())
+    for name, leaf, grad in zip("qkv", leaves, want):
+        assert rel_error(leaf.grad, grad) < TOLERANCE[torch.bfloat16], name
+    sdpa_out = ioattn.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True)
+    assert rel_error(sdpa_out.transpose(1, 2), ref) < TOLERANCE[torch.bfloat16]
+    assert ioattn.explain(q, k, v, causal=causal, backend="triton").backend == "triton"
+    small = ioattn.explain(q[:, :64], k[:, :64], v[:, :64], causal=causal)
+    assert small.backend == "triton" and "not the Gluon forward" in small.reason
