@@ -1,8 +1,9 @@
 """Backend selection, the tuned tile table, and the diagnostics that make every choice visible.
 
-backend="auto" picks the Triton kernel for CUDA tensors and the torch backend for CPU tensors: torch's own CPU SDPA
-kernel where its semantics match exactly, else the exact tiled torch forward (`ioattn.ops.torch_backend` says which
-calls take which; the plan's kernel and reason name the one chosen and why).
+backend="auto" picks the Triton kernel for CUDA tensors (on sm_90 the Gluon warp-specialized forward where it
+takes the call and `GLUON_FASTER` says it was measured faster) and the torch backend for CPU tensors: torch's
+own CPU SDPA kernel where its semantics match exactly, else the exact tiled torch forward
+(`ioattn.ops.torch_backend` says which calls take which; the plan's kernel and reason name the one chosen and why).
 On CUDA nothing falls back silently: an input the Triton kernel cannot take raises. `explain(q, k, v, ...)`
 returns the plan (kernel, tile configuration, backend, copies, reason) without running anything, and
 IOATTN_LOG=1 logs each distinct plan once (logger "ioattn"). The plan covers the backward too: its kernel,
