@@ -139,7 +139,9 @@ def gluon_unsupported(inputs: AttentionInputs, capability: tuple[int, int] | Non
         return "it takes no sliding window (causal or none)"
     if causal and not inputs.bottom_right and inputs.q.shape[1] != inputs.k.shape[1]:
         return "its causal mask is aligned bottom-right, this call's top-left with Nq != Nk"
-    return gluon_forward.gluon_unsupported(inputs.q, inputs.k, inputs.v)
+    if not inputs.softmax_scale > 0.0:
+        return f"it takes a positive softmax_scale only, got {inputs.softmax_scale}"
+    return gluon_forward.tensors_unsupported(inputs.q, inputs.k, inputs.v)
 
 
 def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | None = None,
@@ -184,6 +186,8 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
         unsupported = gluon_unsupported(inputs, capability)
         if backend == "gluon" and unsupported:
             raise ValueError(f"backend='gluon' cannot take this call: {unsupported}")
+        if backend == "gluon" and config is not None:
+            raise ValueError(f"config is a Triton forward configuration ({config}); backend='gluon' takes none")
         faster = None if unsupported else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1], inputs.k.shape[1])
         if backend == "gluon" or (faster and config is None):
             problem = FwdProblem(inputs.softmax_scale, -1, 0 if causal else -1, True, "ieee", False)

@@ -60,7 +60,7 @@ def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:
             f" from {least} tokens (GLUON_FASTER)")
 
 
-def gluon_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+def tensors_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why `gluon_forward` cannot take q, k, v (None when it can): the message of the ValueError it would raise."""
     try:
         _check(q, k, v, None)

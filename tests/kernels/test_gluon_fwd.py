@@ -188,6 +188,8 @@ def test_empty_and_rejected_inputs():
         gluon_forward(torch.randn(1, 16, 2, 72, device="cuda", dtype=torch.bfloat16)[..., 4:68], k, v)
     with pytest.raises(ValueError, match="softmax_scale"):
         gluon_forward(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="lse must be a contiguous float32"):
+        gluon_forward(q, k, v, lse=torch.empty(1, 2, 16, device="cuda", dtype=torch.bfloat16))
     assert math.isfinite(gluon_forward(q, k, v, causal=True)[1].max().item())
 
 
@@ -204,6 +206,8 @@ def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster():
     dense = checks.validate_dense(q, q, q, True, (-1, -1), None)
     assert "sm_90 only" in dispatch.gluon_unsupported(dense, None)
     assert "sm_90 only" in dispatch.gluon_unsupported(dense, (8, 0))
+    negative = checks.validate_dense(q, q, q, True, (-1, -1), -0.5)
+    assert "softmax_scale" in dispatch.gluon_unsupported(negative, (9, 0))
     windowed = checks.validate_dense(q, q, q, False, (3, 0), None)
     assert "sliding window" in dispatch.gluon_unsupported(windowed, (9, 0))
     masked = checks.validate_sdpa(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2),
@@ -249,3 +253,10 @@ def test_auto_dispatch_runs_gluon_forward_and_triton_backward(causal, n):
     assert ioattn.explain(q, k, v, causal=causal, backend="triton").backend == "triton"
     small = ioattn.explain(q[:, :64], k[:, :64], v[:, :64], causal=causal)
     assert small.backend == "triton" and "not the Gluon forward" in small.reason
+    negative = ioattn.flash_attn_func(q, k, v, causal=causal, softmax_scale=-0.05)  # auto: the Triton forward
+    ref, _ = attention_ref(q, k, v, causal=causal, softmax_scale=-0.05)
+    assert rel_error(negative, ref) < TOLERANCE[torch.bfloat16]
+    with pytest.raises(ValueError, match="config is a Triton forward configuration"):
+        from ioattn.ops import dispatch
+        dispatch.plan(dispatch.checks.validate_dense(q, k, v, causal, (-1, -1), None), "gluon",
+                      config=ioattn.explain(q, k, v, causal=causal, backend="triton").config)
