@@ -61,7 +61,7 @@ def _backends(variants: bool, configs: bool) -> dict:
     backends = {"gluon": gluon(), "ioattn": ioattn_fwd, "torch-cudnn": cudnn}
     if variants:
         backends.update({"gluon-no-pingpong": gluon(pingpong=False),
-                         "gluon-rescale-always": gluon(rescale_threshold=0.0)})
+                         "gluon-rescale-conditional": gluon(rescale_threshold=8.0)})
     if configs:
         for d, shapes in CONFIG_VARIANTS.items():
             for block_n, stages in shapes:

@@ -28,7 +28,9 @@ class GluonConfig:
     consumer_regs: int = 240  # setmaxnreg of consumer warpgroup 1 (the default partition gets what is left)
     producer_regs: int = 24  # the producer warp only issues TMA copies
     maxnreg: int = 168  # 3 warpgroups x 128 threads x 168 = 64512 registers: one program per SM
-    rescale_threshold: float = 8.0  # log2 units: O is rescaled only when a row max grows by more; 0: always
+    # log2 units: > 0 rescales O only when some row max grows by more (FA4); 0 rescales every tile, which the
+    # 2026-12-05 H100 run measured faster on 15 of 19 rows, within 1% on the rest (the skip costs a cross-warp max)
+    rescale_threshold: float = 0.0
     pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
 
 
@@ -46,9 +48,11 @@ def gluon_config(head_dim: int) -> GluonConfig:
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
-# tokens per sequence from which it was measured faster on the H200 (bench/results/2026-12-05-mla-gluon-h200:
-# bf16, B·N = 16k, H·D = 2048). D 64 is slower at every length measured; absent pairs stay on Triton.
-GLUON_FASTER = {(128, False): 8192, (128, True): 2048}
+# tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048; the H200 run in
+# bench/results/2026-12-05-mla-gluon-h200 and the H100 run in bench/results/2026-12-05-w2-tune-h100, which
+# measured D 256 at 1.14-1.32x on every row from 2k). D 64 is slower at every length measured; absent pairs stay
+# on Triton.
+GLUON_FASTER = {(128, False): 8192, (128, True): 2048, (256, False): 2048, (256, True): 2048}
 
 
 def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:

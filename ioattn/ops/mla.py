@@ -50,17 +50,22 @@ class MLAConfig:
     num_warps: int = 4
     num_stages: int = 2
     maxnreg: int | None = None
+    programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:
     """Defaults: every head of a small group in one program (the latent tile is read once per sequence); 64 heads
-    per program beyond 16, eight warps holding their 64 x v_head_dim accumulator."""
+    per program beyond 16, eight warps holding their 64 x v_head_dim accumulator. Decode takes 3 stages: the
+    sm_90 build then double-buffers the latent tile (2 stages give one buffer: lab/aot.py --mla), and the H100
+    tuning run of 2026-12-05 (bench/results/2026-12-05-w2-tune-h100) found it fastest at 16 and 128 heads.
+    programs_per_sm from those builds: 93 KB of shared memory at 16 heads (2 per SM), 184 KB at 64 (1)."""
     block_h = min(max(16, next_power_of_2(num_heads)), 64)
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1)
     wide = block_h > 16 or not decode
     return MLAConfig(block_h=block_h, block_m=max(64, block_h), block_n=32 if v_head_dim <= 512 else 16,
-                     num_warps=8 if wide else 4, num_stages=2)
+                     num_warps=8 if wide else 4, num_stages=3 if decode and v_head_dim <= 512 else 2,
+                     programs_per_sm=2 if decode and not wide and v_head_dim <= 512 else 1)
 
 
 def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
@@ -125,7 +130,8 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     head_blocks = cdiv(num_heads, block_h)
     if num_splits == 0:
         programs = block_table.shape[0] * q_tiles * head_blocks
-        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], _sm_count(q.device))
+        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], _sm_count(q.device),
+                                       programs_per_sm=config.programs_per_sm)
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
@@ -190,6 +196,8 @@ def _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen
         require(config.block_h in (16, 32, 64) and config.block_m % config.block_h == 0
                 and config.block_n in (16, 32, 64, 128), f"config {config} needs block_h in 16/32/64, block_m a "
                 "multiple of it and block_n in 16..128")
+        require(is_int(config.programs_per_sm) and 1 <= config.programs_per_sm <= 32,
+                f"config.programs_per_sm must be an int in [1, 32], got {config.programs_per_sm!r}")
     require(workspace is None or isinstance(workspace, PagedWorkspace), "workspace must come from mla_workspace or "
             f"be None, got {type(workspace).__name__}")
     if out is not None:

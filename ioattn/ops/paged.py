@@ -114,11 +114,13 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: any small number keeps CPU tests fast
 
 
-def choose_num_splits(programs: int, max_context: int, sm_count: int) -> int:
+def choose_num_splits(programs: int, max_context: int, sm_count: int,
+                      programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """The num_splits=0 heuristic (see the constants above). Rounds down: programs of equal length that spill
     into a second wave leave the GPU mostly idle for it (B=8 L=32k: 4.09 TB/s at 8 splits, 3.5 at 9); a grid
-    that already fills PROGRAMS_PER_SM slots per SM gets 1."""
-    wanted = PROGRAMS_PER_SM * sm_count // max(programs, 1)
+    that already fills programs_per_sm slots per SM gets 1 (the MLA kernel's programs are larger: its config
+    says how many an SM holds)."""
+    wanted = programs_per_sm * sm_count // max(programs, 1)
     by_length = max(1, max_context // MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, by_length, MAX_SPLITS))
 

@@ -137,7 +137,7 @@ def test_ragged_lengths(n_q, n_k, d, causal, dtype):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("pingpong, threshold", [(False, 8.0), (True, 0.0), (False, 0.0)])
+@pytest.mark.parametrize("pingpong, threshold", [(False, 8.0), (True, 8.0), (False, 0.0)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_variants(pingpong, threshold, causal):
     for d in (64, 128):

@@ -267,3 +267,65 @@ def test_compile_variants_cover_every_split_count_and_query_tile_count(monkeypat
     assert sorted(calls, key=str) == sorted([(None, s, True) for s in splits]
                                             + [(n, s, False) for s in splits for n in (1, 2 * tile, 16 * tile)],
                                             key=str)
+
+
+def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
+    """Decode defaults of the 2026-12-05 H100 tuning run: 3 stages; the split heuristic fills the programs an SM
+    holds (2 at 16 heads, 1 at 64 heads per program), rounding down, on a 132-SM part."""
+    from ioattn.ops import mla
+
+    monkeypatch.setattr(mla, "_sm_count", lambda device: 132)
+    narrow = mla.default_config(16, 512, torch.bfloat16, decode=True)
+    wide = mla.default_config(128, 512, torch.bfloat16, decode=True)
+    assert (narrow.block_h, narrow.num_stages, narrow.programs_per_sm) == (16, 3, 2)
+    assert (wide.block_h, wide.num_stages, wide.programs_per_sm) == (64, 3, 1)
+    cache = torch.zeros(1, 64, 1, 576)
+
+    def splits(heads, batch, seqlen):
+        table = torch.zeros(batch, seqlen // 64, dtype=torch.int32)
+        return mla.plan_mla(torch.zeros(batch, heads, 576, dtype=torch.bfloat16), cache, table, decode=True, max_seqlen_q=1,
+                            v_head_dim=512, backend="triton").num_splits
+
+    assert [splits(16, b, 1024) for b in (32, 64, 128)] == [8, 4, 2]
+    assert [splits(128, b, 8192) for b in (64, 128)] == [1, 1]
+    assert splits(16, 1, 128) == 2  # at most one split per 64 keys
+    with pytest.raises(ValueError, match="programs_per_sm"):
+        table = torch.zeros(1, 1, dtype=torch.int32)
+        mla_paged_attention(torch.zeros(1, 16, 576), cache, table, torch.ones(1, dtype=torch.int32),
+                            v_head_dim=512, config=KernelConfig(block_h=16, block_m=16, programs_per_sm=0))
+
+
+_AOT_SCRIPT = """
+import json, aot
+from ioattn.ops.mla import default_config
+for heads in (16, 128):
+    cfg = default_config(heads, 512, __import__("torch").bfloat16, decode=True)
+    kernel = aot.mla_kernel(cfg.block_h, 1, cfg.block_n, cfg.num_warps, cfg.num_stages, 64, True)
+    print(json.dumps(dict(heads=heads, per_sm=cfg.programs_per_sm, warps=cfg.num_warps, shared=kernel.metadata.shared,
+                          resources=aot.resources(kernel))))
+"""
+
+
+def test_default_decode_configs_fit_the_programs_per_sm_they_claim():
+    """The sm_90 builds (no GPU needed) of the default decode configs: no spills, and programs_per_sm of them fit
+    an SM's 228 KB of shared memory and 64K registers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(repo), str(repo / "lab")]))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, cwd=repo,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [b["heads"] for b in builds] == [16, 128]
+    for b in builds:
+        assert "STACK:0 " in b["resources"], b
+        b["regs"] = int(b["resources"].split("REG:")[1].split()[0])
+        assert b["per_sm"] * (b["shared"] + 1024) <= 228 * 1024, b
+        assert b["per_sm"] * b["regs"] * 32 * b["warps"] <= 65536, b
+        assert (b["per_sm"] + 1) * (b["shared"] + 1024) > 228 * 1024 or \
+            (b["per_sm"] + 1) * b["regs"] * 32 * b["warps"] > 65536, b  # and no more: the claim is the most
