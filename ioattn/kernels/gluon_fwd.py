@@ -17,11 +17,11 @@ One program covers 2 x BLOCK_M query rows of one (batch, head). Its warps split 
 
 Inside a consumer the loop overlaps as FA3's intra-warpgroup pipelining: S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}
 are issued back to back as async wgmmas, the softmax of S_j runs while the P·V product is still in the tensor
-cores, and only then is O rescaled. The softmax is online in base 2. With RESCALE_THRESHOLD = 0 (the default:
-measured as fast or faster) O is rescaled every tile as in FA2; with a positive threshold the rescale is
+cores, and only then is O rescaled. The softmax is online in base 2. With RESCALE_THRESHOLD = 0 (the default,
+measured faster: see GluonConfig) O is rescaled every tile as in FA2; with a positive threshold the rescale is
 conditional (FA4): the running max moves (and O, l are rescaled) only when some row's max grows by more than
-RESCALE_THRESHOLD (log2 units); otherwise P = exp2(S - stale max) stays below 2**RESCALE_THRESHOLD, and the result is exact because the final
-O / l and LSE use the same stale max.
+RESCALE_THRESHOLD (log2 units); otherwise P = exp2(S - stale max) stays below 2**RESCALE_THRESHOLD, and the
+result is exact because the final O / l and LSE use the same stale max.
 
 Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
 sequence's end read as zero and are clipped on store, per batch. Causal is aligned bottom-right (query i sees

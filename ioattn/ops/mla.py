@@ -63,9 +63,11 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1)
     wide = block_h > 16 or not decode
-    return MLAConfig(block_h=block_h, block_m=max(64, block_h), block_n=32 if v_head_dim <= 512 else 16,
-                     num_warps=8 if wide else 4, num_stages=3 if decode and v_head_dim <= 512 else 2,
-                     programs_per_sm=2 if decode and not wide and v_head_dim <= 512 else 1)
+    latent_fits = v_head_dim <= 512  # wider latents take 16-key tiles, built and timed with 2 stages only
+    tuned_decode = decode and latent_fits
+    return MLAConfig(block_h=block_h, block_m=max(64, block_h), block_n=32 if latent_fits else 16,
+                     num_warps=8 if wide else 4, num_stages=3 if tuned_decode else 2,
+                     programs_per_sm=2 if tuned_decode and not wide else 1)
 
 
 def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:

@@ -283,8 +283,9 @@ def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
 
     def splits(heads, batch, seqlen):
         table = torch.zeros(batch, seqlen // 64, dtype=torch.int32)
-        return mla.plan_mla(torch.zeros(batch, heads, 576, dtype=torch.bfloat16), cache, table, decode=True, max_seqlen_q=1,
-                            v_head_dim=512, backend="triton").num_splits
+        q = torch.zeros(batch, heads, 576, dtype=torch.bfloat16)
+        return mla.plan_mla(q, cache, table, decode=True, max_seqlen_q=1, v_head_dim=512,
+                            backend="triton").num_splits
 
     assert [splits(16, b, 1024) for b in (32, 64, 128)] == [8, 4, 2]
     assert [splits(128, b, 8192) for b in (64, 128)] == [1, 1]
@@ -301,26 +302,17 @@ from ioattn.ops.mla import default_config
 for heads in (16, 128):
     cfg = default_config(heads, 512, __import__("torch").bfloat16, decode=True)
     kernel = aot.mla_kernel(cfg.block_h, 1, cfg.block_n, cfg.num_warps, cfg.num_stages, 64, True)
-    print(json.dumps(dict(heads=heads, per_sm=cfg.programs_per_sm, warps=cfg.num_warps, shared=kernel.metadata.shared,
-                          resources=aot.resources(kernel))))
+    print(json.dumps(dict(heads=heads, per_sm=cfg.programs_per_sm, warps=cfg.num_warps,
+                          shared=kernel.metadata.shared, resources=aot.resources(kernel))))
 """
 
 
 def test_default_decode_configs_fit_the_programs_per_sm_they_claim():
     """The sm_90 builds (no GPU needed) of the default decode configs: no spills, and programs_per_sm of them fit
     an SM's 228 KB of shared memory and 64K registers."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from sm90_builds import build_records
 
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=os.pathsep.join([str(repo), str(repo / "lab")]))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env, cwd=repo,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    builds = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    builds = build_records(_AOT_SCRIPT)
     assert [b["heads"] for b in builds] == [16, 128]
     for b in builds:
         assert "STACK:0 " in b["resources"], b
