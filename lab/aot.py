@@ -66,7 +66,7 @@ def sass_opcodes(kernel) -> collections.Counter:
     return collections.Counter(lines)
 
 
-def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16"):
+def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16", cast=False):
     """fp8: None (caches in the queries' dtype: K_scale/V_scale are None, as the launcher passes them) or "e4m3" /
     "e5m2"; dtype: the queries' ("bf16" or "fp16")."""
     from ioattn.kernels.paged_attention import paged_attention_kernel as kernel
@@ -80,7 +80,8 @@ def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp
     types.update({n: "*i32" for n in ("Block_table", "Seq_lens", "Cu_seqlens_q")})
     aligned = [n for n in kernel.arg_names if types.get(n, "").startswith("*") or n.startswith("stride_")]
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, TOKENS=1 if decode else block_m // 4, BLOCK_M=block_m,
-                      BLOCK_N=block_n, PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages, FP8=fp8 is not None)
+                      BLOCK_N=block_n, PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages, FP8=fp8 is not None,
+                      FP8_BITS=fp8 is not None and dtype == "bf16" and not cast)
     if fp8 is None:
         constexprs.update(K_scale=None, V_scale=None)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
@@ -156,6 +157,7 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
     p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache instead of one in the queries' dtype")
+    p.add_argument("--fp8-cast", action="store_true", help="paged fp8: Triton's conversion, not the integer upcast")
     p.add_argument("--forward", action="store_true", help="the dense forward kernel instead of the paged one")
     p.add_argument("--block-m", type=int, default=128, help="forward: query rows per tile")
     p.add_argument("--head-dim", type=int, default=128, help="forward: head dim")
@@ -180,7 +182,8 @@ def main() -> None:
                                 args.causal, not args.pointers, args.maxnreg)
     else:
         kernel = paged_kernel(128 if args.prefill else 16, args.block_n or 64, args.warps, args.stages or 2,
-                              args.page, not args.prefill, args.maxnreg, args.fp8, "fp16" if args.fp16 else "bf16")
+                              args.page, not args.prefill, args.maxnreg, args.fp8, "fp16" if args.fp16 else "bf16",
+                              args.fp8_cast)
     allocs = re.findall(r"%(\w+) = ttg.local_alloc : \(\) -> !ttg.memdesc<([^,]+),", kernel.asm["ttgir"])
     print(resources(kernel))
     print(f"shared {kernel.metadata.shared} B; allocations: " + ", ".join(f"{n} {shape}" for n, shape in allocs))

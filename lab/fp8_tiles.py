@@ -39,6 +39,33 @@ CONFIGS = [None,  # the default (the bf16 tuning: 64 keys, 4 warps, 2 stages, 12
            PagedConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=128)]
 
 
+def measure_trial(case, q, k, v, lens, k_scale, v_scale, expected, kv_bytes, args, config=None) -> dict:
+    """One variant of the paged decode over these caches (block 16, shuffled): its error against `expected` and,
+    within the tolerance, its time per layer over up to 32 cache copies in one CUDA graph; a variant that misses
+    is recorded as wrong and not timed, one that fails to build or run with its error."""
+    layers = layer_count(case, args, kv_bytes)
+    row = {"layers": layers}
+    started = time.monotonic()
+    try:
+        forward, out, plan, restore = paged_decode_runner(case, q, k, v, lens, block=16, shuffled=True, config=config,
+                                                          layers=layers, k_scale=k_scale, v_scale=v_scale)
+        forward()
+        row.update(config=dataclasses.asdict(plan.config), splits=plan.num_splits,
+                   error=rel_error(out[0], expected[0, 0]))
+        if row["error"] < TOLERANCE[q.dtype]:
+            ms, how = _measure(forward, args.device, args, layers)
+            row.update(us=ms * 1e3, tbps=kv_bytes / (ms * 1e-3) / 1e12,
+                       tokens_per_s=case.batch * case.seqlen / (ms * 1e-3), used=how)
+        else:
+            row["status"] = "wrong"
+        del forward
+        restore()
+    except Exception as error:  # noqa: BLE001 - a variant that does not build or run is a result too
+        row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
+    row["seconds"] = time.monotonic() - started
+    return row
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,26 +87,8 @@ def main() -> None:
         trials = [("bf16", None, k, v, None, None, ref, case.kv_bytes)]
         trials += [("fp8_e4m3", c, k8, v8, k_scale, v_scale, ref8, case.kv_bytes_at(1)) for c in CONFIGS]
         for name, config, kc, vc, ks, vs, expected, kv_bytes in trials:
-            layers = layer_count(case, args, kv_bytes)
-            row = {"B": batch, "L": length, "heads": f"{HEADS[0]}/{HEADS[1]}", "cache": name, "layers": layers}
-            started = time.monotonic()
-            try:
-                forward, out, plan, restore = paged_decode_runner(case, q, kc, vc, lens, block=16, shuffled=True,
-                                                                  config=config, layers=layers, k_scale=ks,
-                                                                  v_scale=vs)
-                forward()
-                row.update(config=dataclasses.asdict(plan.config), splits=plan.num_splits, error=rel_error(out[0], expected[0, 0]))
-                if row["error"] < TOLERANCE[dtype]:
-                    ms, how = _measure(forward, device, args, layers)
-                    row.update(us=ms * 1e3, tbps=kv_bytes / (ms * 1e-3) / 1e12,
-                               tokens_per_s=batch * length / (ms * 1e-3), used=how)
-                else:
-                    row["status"] = "wrong"
-                del forward
-                restore()
-            except Exception as error:  # noqa: BLE001 - a config that does not build or run is a result too
-                row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
-            row["seconds"] = time.monotonic() - started
+            row = {"B": batch, "L": length, "heads": f"{HEADS[0]}/{HEADS[1]}", "cache": name}
+            row.update(measure_trial(case, q, kc, vc, lens, ks, vs, expected, kv_bytes, args, config))
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
             (out_dir / "fp8-tiles-h200.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -427,7 +427,8 @@ def paged_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(max(head_dim, 16)), GROUP=num_heads // num_kv_heads,
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
         DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
-        RELEASE_DEPENDENTS=plan.dependent_combine, **({"FP8": True} if fp8 else {}),
+        RELEASE_DEPENDENTS=plan.dependent_combine,
+        **({"FP8": True, "FP8_BITS": fp8_upcast_by_bits(q)} if fp8 else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
@@ -435,6 +436,12 @@ def paged_attention(
     if not return_lse:
         return out
     return out, lse if decode else lse.t()
+
+
+def fp8_upcast_by_bits(q: torch.Tensor) -> bool:
+    """Whether the paged kernel upcasts fp8 K/V by integer ops (CUDA, bf16 queries), not Triton's conversion,
+    which goes through float32 one element at a time and held fp8 decode to the bf16 kernel's speed."""
+    return q.is_cuda and q.dtype == torch.bfloat16
 
 
 def split_partials(out: torch.Tensor, lse: torch.Tensor, splits: int, workspace: PagedWorkspace | None):

@@ -12,9 +12,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ioattn.kernels.paged_attention import upcast_fp8
 from ioattn.ops import fp8 as fp8_ops
 from ioattn.ops.cache import copy_blocks, gather_cache, reshape_and_cache, swap_blocks
 from ioattn.ops.fp8 import dequantize, fp8_max, quantize
@@ -346,3 +349,43 @@ def test_fp8_decode_in_a_cuda_graph_reads_updated_scales():
     graph.replay()
     ref, _ = reference(q, k_cache, v_cache, table, [700, 33], [1, 1], k_scale, v_scale)
     assert rel_error(out, ref[:, :, :]) < TOLERANCE[torch.bfloat16]
+
+
+@triton.jit
+def _upcast_codes_kernel(Codes, Out, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Out + offs, upcast_fp8(tl.load(Codes + offs), tl.bfloat16, True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_fp8_integer_upcast_is_exact_for_every_code_on_gpu(fp8):
+    # The bf16 decode's integer route (`upcast_fp8` with BITS) against torch's conversion, all 256 codes in 4
+    # orders (each code in each lane of its 4-code register): bit for bit where finite, NaN for NaN and inf codes.
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes = torch.cat([codes.view(-1, 4).roll(shift, 1).reshape(-1) for shift in range(4)])
+    out = torch.full(codes.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    _upcast_codes_kernel[(1,)](codes.view(fp8), out, N=codes.numel())
+    expected = codes.view(fp8).to(torch.bfloat16)
+    finite = expected.isfinite()
+    assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert out[~finite].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8):
+    # A NaN key or value (kept by the write, see quantization above) must reach the output of the heads that read
+    # it, never be turned into a finite number by the bf16 decode's upcast.
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool([300, 40], page=16, kv_heads=4, head_dim=128, fp8=fp8,
+                                                         device="cuda")
+    slot = int(table[0, 5]) * 16 + 3  # sequence 0, position 83
+    k_cache.view(-1, 4, 128).view(torch.uint8)[slot, 1, 17] = 0x7F  # KV head 1's key
+    v_cache.view(-1, 4, 128).view(torch.uint8)[slot, 2, 90] = 0xFF  # KV head 2's value
+    q = torch.randn(2, 16, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([300, 40], dtype=torch.int32, device="cuda")
+    for splits in (1, 3):
+        out = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale, num_splits=splits)
+        heads = out.isnan().any(dim=-1)
+        assert heads[0].tolist() == [False] * 4 + [True] * 8 + [False] * 4
+        assert not heads[1].any()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The integer fp8 -> bf16 upcast and the rotated fp8 cache on the device in one call (< 9 minutes): the fp8 GPU
+# tests (the upcast bit for bit over all 256 codes, NaN codes reaching the output, every paged path with bf16
+# queries, the fp8 engine's graphs), lab/fp8_upcast.py (Triton's conversion against the integer upcast, beside the
+# bf16 cache), then the decode rows of W2 4/7's bar (B·L >= 64k, 32/8 heads) beside cuDNN.
+# From the repository root on the device:   OUT=/tmp/out bash lab/fp8_upcast_device.sh
+set -u
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_log.sh" fp8-upcast.log
+step "0. GPU tests: fp8 caches, the paged kernel, the fp8 engine"
+timeout 150 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
+    tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py tests/engine/test_fp8_engine.py \
+    > "$OUT/gpu-tests.txt" 2>&1
+echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+step "1. Triton's fp8 conversion against the integer upcast"
+timeout 120 python3 lab/fp8_upcast.py > "$OUT/fp8-upcast.txt" 2>&1
+echo "fp8_upcast exit $?"
+python3 - "$OUT/fp8-upcast.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for r in rows:
+    print(f"B{r['B']:<4} L{r['L']:<7} {r['cache']:<22} {r.get('us', float('nan')):9.1f} us "
+          f"{r.get('tbps', float('nan')):5.2f} TB/s err {r.get('error', float('nan')):.2e} {r.get('status', '')}")
+PY
+step "2. ioattn bench decode, fp8 beside bf16 and cuDNN, the bar's rows"
+timeout 250 python3 -m ioattn.cli bench decode --kv-cache-dtype fp8_e4m3 --backends ioattn-paged,torch-cudnn \
+    --heads 32/8 --batches 8,64,256 --seqlens 4096,32768 --long-seqlens 131072 --no-prefill --budget-s 220 \
+    --json "$OUT/decode-fp8.json" > "$OUT/decode-fp8.txt" 2>&1
+echo "bench exit $?"; grep -E "^\|" "$OUT/decode-fp8.txt" | head -40
+step "done"
