@@ -55,6 +55,7 @@ def add_kv_cache_flags(parser: argparse.ArgumentParser) -> None:
                         help="the KV cache's element type: auto (the model's dtype) or an fp8 format (one byte per "
                         "element: the pool holds twice the tokens of a 16-bit cache)")
     parser.add_argument("--kv-cache-scales", type=kv_cache_scales, default=None, metavar="SCALES",
-                        help="fp8 only: 'checkpoint', 'calibrate' (a short pass at start-up), a number for every "
-                        "layer and head (1.0 warns: uncalibrated) or a JSON file {k_scale, v_scale}; default: the "
+                        help="fp8 only: 'checkpoint', 'calibrate' (a short pass at start-up; the cache then holds "
+                        "K and V rotated, which rounds them with less loss), a number for every layer and head (1.0 "
+                        "warns: uncalibrated) or a JSON file {k_scale, v_scale[, rotation]}; default: the "
                         "checkpoint's, else calibrated")

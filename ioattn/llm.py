@@ -45,7 +45,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         async_scheduling: bool | None = None,
         kv_cache_dtype: str = "auto",
-        kv_cache_scales: str | float | None = None,
+        kv_cache_scales=None,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
@@ -55,7 +55,8 @@ class LLM:
         `ioattn.engine.llm_engine`); None: on, except with tensor parallelism (where True raises ValueError).
         kv_cache_dtype: "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2" (one byte per cached element: the
         pool holds twice the tokens of a 16-bit cache); kv_cache_scales: for fp8, None (the checkpoint's, else
-        calibrated at start-up), "checkpoint", "calibrate", a number or a JSON file (`ioattn.engine.kv_scales`)."""
+        calibrated at start-up, with K and V stored rotated), "checkpoint", "calibrate", a number, a JSON file or
+        resolved `KVScales` (`ioattn.engine.kv_scales`)."""
         config = EngineConfig(
             dtype=dtype, max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,

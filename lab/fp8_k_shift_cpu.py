@@ -31,9 +31,31 @@ SEEDS = ["/work/shared/seeds/000_313091f7af3f8cd4.txt", "/work/shared/seeds/003_
 OFFSETS = 16
 
 
-def main() -> None:
+def dense_perplexity(loaded, ids: list[int], transform) -> float:
+    """Perplexity of `ids` in one dense pass (no cache) with every layer's K and V replaced by
+    transform(k, v, layer) -> (k, v) before attention."""
     import torch
     import torch.nn.functional as F
+
+    from ioattn.models.llama import DenseCausalAttention
+
+    dense = DenseCausalAttention.build([len(ids)], loaded.config, "cpu", backend="torch")
+
+    class Transformed:
+        def attend(self, q, k, v, layer):
+            return dense.attend(q, *transform(k, v, layer), layer)
+
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), Transformed())
+        targets = torch.tensor(ids[1:])
+        nll = sum(F.cross_entropy(loaded.model.compute_logits(hidden[i: i + 1024][: len(ids) - 1 - i]),
+                                  targets[i: i + 1024], reduction="sum").item()
+                  for i in range(0, len(ids) - 1, 1024))
+    return math.exp(nll / (len(ids) - 1))
+
+
+def main() -> None:
+    import torch
 
     from ioattn.bench.harness import collect_disclosure, markdown_table
     from ioattn.engine.kv_scales import HEADROOM, calibrate, calibration_tokens
@@ -72,19 +94,7 @@ def main() -> None:
         return (x / scale).clamp(-limit, limit).to(fp8).to(x.dtype) * scale
 
     def perplexity(transform_k) -> float:
-        dense = DenseCausalAttention.build([len(ids)], config, "cpu", backend="torch")
-
-        class Rounded:
-            def attend(self, q, k, v, layer):
-                return dense.attend(q, transform_k(k, layer), v, layer)
-
-        with torch.inference_mode():
-            hidden = loaded.model(torch.tensor(ids), torch.arange(len(ids)), Rounded())
-            targets = torch.tensor(ids[1:])
-            nll = sum(F.cross_entropy(loaded.model.compute_logits(hidden[i: i + 1024][: len(ids) - 1 - i]),
-                                      targets[i: i + 1024], reduction="sum").item()
-                      for i in range(0, len(ids) - 1, 1024))
-        return math.exp(nll / (len(ids) - 1))
+        return dense_perplexity(loaded, ids, lambda k, v, layer: (transform_k(k, layer), v))
 
     engine_scales = calibrate(loaded, fp8)
     natural = calibration_keys([0])

@@ -8,8 +8,9 @@
 2. Perplexity of the seeds' text (its first 8192 tokens, the model's context; chunks of 512) through the engine's
    paged path (`ioattn.eval.perplexity`), per cache setting, and its relative change against the model's dtype.
 3. Where the e4m3 loss comes from: the same text through dense attention (no cache) with K and/or V rounded
-   through e4m3 and back (the engine's calibrated scales): K only, V only, both. "Both" is what the fp8 cache
-   computes, so its perplexity against the engine's fp8 row also checks that the paged path adds no error.
+   through e4m3 and back (the engine's calibrated scales, rotated and not): K only, V only, both. "Both" is what
+   the fp8 cache computes, so its perplexity against the engine's fp8 row also checks that the paged path adds
+   no error.
 
     PYTHONPATH=. python3 lab/fp8_smollm2_cpu.py [--tokens 8192] [--out bench/results/2026-12-02-fp8-kv-smollm2-cpu]
 
@@ -27,9 +28,12 @@ import warnings
 from pathlib import Path
 
 SEEDS = ["/work/shared/seeds/000_313091f7af3f8cd4.txt", "/work/shared/seeds/003_fac0175204ce1dcf.txt"]
-# (label, kv_cache_dtype, kv_cache_scales); HEADROOM_125 is replaced by a JSON file of those scales
+# (label, kv_cache_dtype, kv_cache_scales); HEADROOM_125 is replaced by a JSON file of those scales, UNROTATED by
+# the engine's calibration without the rotation (the rule before 2026-12-06)
 HEADROOM_125 = "calibrated, headroom 1.25"
+UNROTATED = "calibrated, not rotated"
 RUNS = [("auto (float32)", "auto", None), ("fp8_e4m3 calibrated", "fp8_e4m3", None),
+        ("fp8_e4m3 calibrated, not rotated", "fp8_e4m3", UNROTATED),
         ("fp8_e4m3 calibrated, headroom 1.25", "fp8_e4m3", HEADROOM_125),
         ("fp8_e4m3 unit scale 1.0", "fp8_e4m3", 1.0), ("fp8_e5m2 calibrated", "fp8_e5m2", None)]
 PROMPTS = [
@@ -82,17 +86,23 @@ def fake_quant_perplexity(loaded, ids, scales, quantize_k: bool, quantize_v: boo
     import torch.nn.functional as F
 
     from ioattn.models.llama import DenseCausalAttention
-    from ioattn.ops.fp8 import dequantize, quantize
+    from ioattn.ops.fp8 import dequantize, kv_rotation, quantize
 
     fp8 = torch.float8_e4m3fn
     dense = DenseCausalAttention.build([len(ids)], loaded.config, "cpu", backend="torch")
+    dim = loaded.config.head_dim
+    # Rotated scales round x M / D and the cache's reader turns it back: x = (x M / D) M^T.
+    rotation, divisor = (torch.eye(dim), 1) if scales.rotation is None else (kv_rotation(dim), dim)
+
+    def round_trip(x, scale):
+        return dequantize(quantize(x @ rotation / divisor, scale, fp8), scale, x.dtype) @ rotation.T
 
     class Rounded:
         def attend(self, q, k, v, layer):
             if quantize_k:
-                k = dequantize(quantize(k, scales.k[layer], fp8), scales.k[layer], k.dtype)
+                k = round_trip(k, scales.k[layer])
             if quantize_v:
-                v = dequantize(quantize(v, scales.v[layer], fp8), scales.v[layer], v.dtype)
+                v = round_trip(v, scales.v[layer])
             return dense.attend(q, k, v, layer)
 
     with torch.inference_mode():
@@ -133,10 +143,12 @@ def main() -> None:
               "runs": {}}
     earlier = calibrate(loaded, torch.float8_e4m3fn, headroom=1.25)
     earlier_file = Path(tempfile.mkdtemp()) / "headroom-1.25.json"
-    earlier_file.write_text(json.dumps({"k_scale": earlier.k.tolist(), "v_scale": earlier.v.tolist()}))
+    earlier_file.write_text(json.dumps({"k_scale": earlier.k.tolist(), "v_scale": earlier.v.tolist(),
+                                        "rotation": earlier.rotation}))
+    unrotated = calibrate(loaded, torch.float8_e4m3fn, rotate=False)
     reference = None
     for label, dtype, scales in RUNS:
-        scales = str(earlier_file) if scales == HEADROOM_125 else scales
+        scales = {HEADROOM_125: str(earlier_file), UNROTATED: unrotated}.get(scales, scales)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the unit-scale warning is the point of that run
             tokens, attention, seconds = greedy(loaded, dtype, scales, prompt_ids)
@@ -162,9 +174,11 @@ def main() -> None:
                      f"{run['identical_prompts']}/{len(PROMPTS)}", ", ".join(map(str, diverged)) or "—"])
     calibrated = calibrate(loaded, torch.float8_e4m3fn)
     breakdown = {}
-    for label, k, v in (("K and V", True, True), ("K only", True, False), ("V only", False, True)):
-        breakdown[label] = fake_quant_perplexity(loaded, ids, calibrated, k, v)
-        print(f"dense, e4m3 round trip of {label}: perplexity {breakdown[label]:.4f}", flush=True)
+    for frame, scales in (("rotated", calibrated), ("not rotated", unrotated)):
+        for label, k, v in (("K and V", True, True), ("K only", True, False), ("V only", False, True)):
+            breakdown[f"{label}, {frame}"] = fake_quant_perplexity(loaded, ids, scales, k, v)
+            print(f"dense, e4m3 round trip of {label} {frame}: perplexity {breakdown[f'{label}, {frame}']:.4f}",
+                  flush=True)
     breakdown["none (float32)"] = fake_quant_perplexity(loaded, ids, calibrated, False, False)
     result["dense_e4m3_round_trip"] = breakdown
     Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -178,13 +192,15 @@ def main() -> None:
           "(chunks of 512, the engine's paged path)",
           "- scales: calibrated = a start-up pass over 8 built-in passages (not the seeds' text), "
           f"2^ceil(log2(amax x {HEADROOM:g} / max)) per (layer, KV head) (headroom 1.25: the rule before, under "
-          "which the seeds' V outran two heads' range); unit = 1.0 everywhere (asked for; it warns)", "",
+          "which the seeds' V outran two heads' range); unit = 1.0 everywhere (asked for; it warns); calibrated "
+          "scales come with the rotation of K and V (`ioattn.engine.kv_scales`), 'not rotated' is the same "
+          "calibration without it", "",
           markdown_table(["KV cache", "scales", "perplexity", "Δ vs float32", "identical tokens", "identical prompts",
                           "first divergence (token index, diverged prompts)"], rows), "",
           "Identical tokens: the fraction of the float32 run's generated tokens that the run reproduces at the same "
           "position (after a divergence the continuations differ, so this counts mostly the tokens before it).", "",
           "Dense attention over the same 8192 tokens (no cache, one pass), K / V rounded through e4m3 with the "
-          "calibrated scales:", "",
+          "calibrated scales, in the rotated frame and without it:", "",
           markdown_table(["rounded", "perplexity", "Δ vs float32"],
                          [[label, f"{ppl:.4f}", f"{100 * (ppl / breakdown['none (float32)'] - 1):+.3f}%"]
                           for label, ppl in breakdown.items()]), ""]

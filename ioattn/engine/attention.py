@@ -24,6 +24,8 @@ FP8 caches (`kv_cache_dtype`): the caches hold fp8, each layer's K and V scales 
 `ioattn.engine.kv_scales`) live here on the device and go to every cache write and attention call; blocks move
 as bytes (copies, swaps, export/import); `prefix_key()` is the identity of the cache's dtype and scales, which the
 engine puts into every prefix-cache key, so blocks written in another dtype or with other scales are never hit.
+Calibrated scales come with a rotation (`KVScales.rotation`): the cache then holds K and V rotated, and `attend`
+rotates q and the output to match (three small matmuls and one for the output per layer, in the model's dtype).
 
 Backends: "triton" (the paged kernels; CUDA, or Triton's interpreter on the CPU for tests) and "torch" (the exact
 CPU path of `ioattn.ops.torch_paged`). The tables come from the KV manager's plans and are valid by construction;
@@ -45,7 +47,7 @@ from ioattn.ops import torch_paged
 from ioattn.ops.checks import (
     HEAD_DIM_MULTIPLE, MAX_HEAD_DIM, checks_contents, normalized_window, softmax_scale_or_default,
 )
-from ioattn.ops.fp8 import bytes_view, is_fp8, kv_cache_dtype_name
+from ioattn.ops.fp8 import KV_ROTATION, bytes_view, is_fp8, kv_cache_dtype_name, kv_rotation
 from ioattn.ops.mla import compile_mla_variants, mla_paged_attention, mla_workspace
 from ioattn.ops.paged import compile_variants, paged_attention, paged_workspace
 from ioattn.ops.paged_checks import check_slot_contents, check_table_contents
@@ -169,6 +171,7 @@ class PagedAttention:
         self.cache_dtype = kv_cache_dtype or dtype
         self.kv_scales = kv_scales
         self.k_scales = self.v_scales = [None] * config.num_layers
+        self.rotation = None
         if is_fp8(self.cache_dtype):
             expected = (config.num_layers, config.num_kv_heads)
             if kv_scales is None or kv_scales.k.shape != expected or kv_scales.v.shape != expected:
@@ -178,6 +181,14 @@ class PagedAttention:
             # 16-byte aligned, and Triton specialises on that (a kernel compiled mid-serving for the odd layers).
             self.k_scales = [row.clone() for row in kv_scales.k.to(self.device, torch.float32).unbind(0)]
             self.v_scales = [row.clone() for row in kv_scales.v.to(self.device, torch.float32).unbind(0)]
+            if kv_scales.rotation is not None:
+                rotation = kv_rotation(config.head_dim)
+                if kv_scales.rotation != KV_ROTATION or rotation is None:
+                    raise ValueError(f"kv_scales.rotation {kv_scales.rotation!r} does not apply to head_dim "
+                                     f"{config.head_dim} (only {KV_ROTATION!r}, for power-of-two head dims)")
+                # q M, x M / D and o' M^T (see kv_rotation); ±1 and ±1/D are exact in the model's dtype.
+                self.rotation = (rotation.to(self.device, dtype), (rotation / config.head_dim).to(self.device, dtype),
+                                 rotation.t().contiguous().to(self.device, dtype))
         elif kv_scales is not None:
             raise ValueError(f"kv_scales apply to fp8 caches only, not {self.cache_dtype}")
         # MLA: num_kv_heads is 1 and head_dim kv_lora_rank + qk_rope_head_dim, so k_caches are the latent caches.
@@ -292,6 +303,14 @@ class PagedAttention:
                              table_widths, chunk_context_tokens)
 
     def attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
+        """New tokens' K and V into the layer's cache, then attention for q over the cache -> (T, Hq, D). A rotated
+        fp8 cache (see `ioattn.engine.kv_scales`) gets K and V rotated and q and the output rotated to match."""
+        if self.rotation is None:
+            return self._attend(q, k, v, layer_idx, ctx)
+        forward, scaled, back = self.rotation
+        return self._attend(q @ forward, k @ scaled, v @ scaled, layer_idx, ctx) @ back
+
+    def _attend(self, q, k, v, layer_idx: int, ctx: StepAttention) -> torch.Tensor:
         k_cache, v_cache = self.k_caches[layer_idx], self.v_caches[layer_idx]
         window = self.window_sizes[layer_idx]
         scales = dict(k_scale=self.k_scales[layer_idx], v_scale=self.v_scales[layer_idx])

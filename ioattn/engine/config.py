@@ -61,9 +61,10 @@ class EngineConfig:
     device: str | torch.device | None = None
     # "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2": one byte per cached element (`ioattn.ops.fp8`).
     kv_cache_dtype: str = "auto"
-    # fp8 only: None (the checkpoint's scales, else calibrated at start-up), "checkpoint", "calibrate", a number
-    # (every layer and head; 1.0 warns) or a JSON file (see `ioattn.engine.kv_scales`).
-    kv_cache_scales: str | float | None = None
+    # fp8 only: None (the checkpoint's scales, else calibrated at start-up: K and V then stored rotated),
+    # "checkpoint", "calibrate", a number (every layer and head; 1.0 warns), a JSON file or resolved KVScales (see
+    # `ioattn.engine.kv_scales`).
+    kv_cache_scales: str | float | KVScales | None = None
 
     def __post_init__(self):
         def require(ok: bool, name: str, allowed: str) -> None:

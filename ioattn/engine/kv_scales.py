@@ -32,6 +32,19 @@ cached values) and make the scales' identity, which the prefix-cache key holds, 
 A head whose amax is 0 gets scale 1. The text: a few built-in passages (prose, dialogue, code, numbers; none of
 them the evaluation text `ioattn eval` scores) in the model's tokenizer; for random-weight presets (a byte
 tokenizer: their weights model no language, so no text is more typical than any other) seeded random token ids.
+
+**Rotation.** With calibrated scales and a power-of-two head dim, the cache stores K and V rotated by a fixed
+orthogonal matrix (`ioattn.ops.fp8.kv_rotation`: a Hadamard matrix with random signs) and the queries and the
+output are rotated to match, which changes no score and no output at full precision. The rounding does change:
+e4m3 rounds every element to about the same relative error, so a score's error, sum_i q_i k_i e_i, is largest
+when q and k put their weight on the same few channels (RoPE's slow pairs, outlier channels), and the rotation
+spreads every vector over all channels. On smollm2 (8192 tokens of the seeds' text) the e4m3 cache's perplexity
+cost fell from +1.50% to +0.29% through the engine (bench/results/2026-12-06-fp8-kv-smollm2-cpu.md), and from
++1.50% to +0.10% in a dense pass rounding K and V the same way; the random signs matter (a plain Hadamard matrix:
++0.47%; bench/results/2026-12-06-fp8-rotation-smollm2-cpu.md). Other head dims are not rotated. Scales from a
+checkpoint, a number or a file are for the unrotated values, so those caches are not rotated, unless a file says
+`"rotation": "hadamard-signed"` (scales of the rotated values); `calibrate(..., rotate=False)` gives calibrated
+scales without it. The rotation is part of the scales' identity, hence of the prefix-cache key.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ioattn.ops.fp8 import fp8_max, kv_cache_dtype_name, scale_for_amax
+from ioattn.ops.fp8 import KV_ROTATION, fp8_max, kv_cache_dtype_name, kv_rotation, scale_for_amax
 
 HEADROOM = 4.0
 CALIBRATION_SOURCES = ("checkpoint", "calibrate")
@@ -77,29 +90,34 @@ CALIBRATION_TEXTS = (
 @dataclass(frozen=True)
 class KVScales:
     """k, v: float32 (num_layers, num_kv_heads) on the CPU; source: "user", "checkpoint", "calibrated" or
-    "unit"; detail: one line on how they were obtained."""
+    "unit"; detail: one line on how they were obtained; rotation: None (the cache holds K and V as the model
+    computes them) or KV_ROTATION (rotated by `kv_rotation`, and the scales are those of the rotated values)."""
 
     k: torch.Tensor
     v: torch.Tensor
     source: str
     detail: str
+    rotation: str | None = None
 
     def identity(self) -> str:
         """A short digest of the exact values: part of the prefix-cache key of blocks written with them."""
         digest = hashlib.blake2b(digest_size=8)
         for t in (self.k, self.v):
             digest.update(t.to(torch.float32).contiguous().numpy().tobytes())
+        if self.rotation is not None:  # absent for unrotated scales: their identity is what it was before rotations
+            digest.update(f"rotation={self.rotation}".encode())
         return digest.hexdigest()
 
     def describe(self) -> dict:
-        return {"source": self.source, "detail": self.detail,
+        return {"source": self.source, "detail": self.detail, "rotation": self.rotation,
                 "k_scale_range": [float(self.k.min()), float(self.k.max())],
                 "v_scale_range": [float(self.v.min()), float(self.v.max())], "identity": self.identity()}
 
 
 def check_kv_cache_scales_setting(value) -> None:
-    """ValueError unless `kv_cache_scales` is None, "checkpoint", "calibrate", a positive finite number or a path."""
-    if value is None or value in CALIBRATION_SOURCES:
+    """ValueError unless `kv_cache_scales` is None, "checkpoint", "calibrate", a positive finite number, a path or
+    resolved `KVScales` (e.g. `calibrate(loaded, dtype, rotate=False)`)."""
+    if value is None or isinstance(value, KVScales) or value in CALIBRATION_SOURCES:
         return
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if math.isfinite(value) and value > 0:
@@ -107,13 +125,23 @@ def check_kv_cache_scales_setting(value) -> None:
     elif isinstance(value, (str, os.PathLike)) and os.fspath(value):
         return
     raise ValueError(f"kv_cache_scales must be None (the checkpoint's, else calibrated), 'checkpoint', 'calibrate', "
-                     f"a number > 0 or a JSON file path, got {value!r}")
+                     f"a number > 0, a JSON file path or KVScales, got {value!r}")
 
 
 def resolve_kv_scales(loaded, cache_dtype: torch.dtype, setting) -> KVScales:
     """The scales an fp8 engine serving `loaded` uses with this `kv_cache_scales` setting (see the docstring)."""
     config = loaded.config
     layers, heads = config.num_layers, config.num_kv_heads
+    if isinstance(setting, KVScales):
+        for name, t in (("k", setting.k), ("v", setting.v)):
+            if not isinstance(t, torch.Tensor) or t.shape != (layers, heads):
+                raise ValueError(f"kv_cache_scales.{name} must be (num_layers, num_kv_heads) = ({layers}, {heads}), "
+                                 f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            check_values(f"kv_cache_scales.{name}", t.to(torch.float32))
+        if setting.rotation not in (None, KV_ROTATION) or (setting.rotation and kv_rotation(config.head_dim) is None):
+            raise ValueError(f"kv_cache_scales.rotation must be None or {KV_ROTATION!r} (power-of-two head dims; "
+                             f"the model's is {config.head_dim}), got {setting.rotation!r}")
+        return setting
     if isinstance(setting, (int, float)) and not isinstance(setting, bool):
         if setting == 1.0:
             warnings.warn("kv_cache_scales=1.0: an uncalibrated fp8 KV cache (values under 2^-6 of the format lose "
@@ -129,7 +157,7 @@ def resolve_kv_scales(loaded, cache_dtype: torch.dtype, setting) -> KVScales:
         return checkpoint_scales(found, layers, heads)
     if setting is None or setting == "calibrate":
         return calibrate(loaded, cache_dtype)
-    return file_scales(os.fspath(setting), layers, heads)
+    return file_scales(os.fspath(setting), layers, heads, config.head_dim)
 
 
 def _rows(name: str, value, layers: int, heads: int) -> torch.Tensor:
@@ -157,7 +185,7 @@ def check_values(name: str, scales: torch.Tensor) -> torch.Tensor:
     return scales
 
 
-def file_scales(path: str, layers: int, heads: int) -> KVScales:
+def file_scales(path: str, layers: int, heads: int, head_dim: int | None = None) -> KVScales:
     try:
         with open(path) as f:
             data = json.load(f)
@@ -165,9 +193,16 @@ def file_scales(path: str, layers: int, heads: int) -> KVScales:
         raise ValueError(f"kv_cache_scales file {path}: {error}") from None
     if not isinstance(data, dict) or not {"k_scale", "v_scale"} <= data.keys():
         raise ValueError(f"kv_cache_scales file {path} must be a JSON object with 'k_scale' and 'v_scale'")
+    rotation = data.get("rotation")
+    if rotation not in (None, KV_ROTATION):
+        raise ValueError(f"kv_cache_scales file {path}: 'rotation' must be null or {KV_ROTATION!r} (the scales are "
+                         f"those of K and V rotated by ioattn.ops.fp8.kv_rotation), got {rotation!r}")
+    if rotation is not None and head_dim is not None and kv_rotation(head_dim) is None:
+        raise ValueError(f"kv_cache_scales file {path}: rotation {rotation!r} needs a power-of-two head dim, the "
+                         f"model's is {head_dim}")
     k = _rows(f"{path}: k_scale", data["k_scale"], layers, heads)
     v = _rows(f"{path}: v_scale", data["v_scale"], layers, heads)
-    return KVScales(k, v, "user", f"from {path}")
+    return KVScales(k, v, "user", f"from {path}", rotation)
 
 
 def checkpoint_scales(tensors: dict[str, torch.Tensor], layers: int, heads: int) -> KVScales:
@@ -196,14 +231,18 @@ def checkpoint_scales(tensors: dict[str, torch.Tensor], layers: int, heads: int)
 class _Recorder:
     """An attention context that records per-(layer, KV head) amax of K and V, then attends densely."""
 
-    def __init__(self, inner, layers: int, heads: int):
+    def __init__(self, inner, layers: int, heads: int, rotation: torch.Tensor | None = None):
         self.inner = inner
         self.k_amax = torch.zeros(layers, heads)
         self.v_amax = torch.zeros(layers, heads)
+        self.rotation = rotation  # amax of the values the cache would hold: x M / D (see kv_rotation)
 
     def attend(self, q, k, v, layer_idx: int):
         for amax, t in ((self.k_amax, k), (self.v_amax, v)):
-            amax[layer_idx] = torch.maximum(amax[layer_idx], t.detach().abs().amax(dim=(0, 2)).float().cpu())
+            t = t.detach().float()
+            if self.rotation is not None:
+                t = t @ self.rotation.to(t.device) / t.shape[-1]
+            amax[layer_idx] = torch.maximum(amax[layer_idx], t.abs().amax(dim=(0, 2)).cpu())
         return self.inner.attend(q, k, v, layer_idx)
 
 
@@ -222,9 +261,10 @@ def calibration_tokens(loaded, max_len: int) -> tuple[list[list[int]], str]:
 
 
 @torch.inference_mode()
-def calibrate(loaded, cache_dtype: torch.dtype, headroom: float = HEADROOM) -> KVScales:
-    """Scales from one dense pass over `calibration_tokens` (see the module docstring for the rule; `headroom`
-    other than HEADROOM is for experiments)."""
+def calibrate(loaded, cache_dtype: torch.dtype, headroom: float = HEADROOM, rotate: bool = True) -> KVScales:
+    """Scales from one dense pass over `calibration_tokens` (see the module docstring for the rule), of K and V
+    rotated by `kv_rotation` where the head dim allows it (`rotate`=False and `headroom` other than HEADROOM are
+    for experiments)."""
     from ioattn.models.llama import DenseCausalAttention
 
     model, config = loaded.model, loaded.config
@@ -235,7 +275,8 @@ def calibrate(loaded, cache_dtype: torch.dtype, headroom: float = HEADROOM) -> K
     # Dense attention by PyTorch's SDPA off CUDA (exact, and quick where Triton would be interpreted).
     dense = DenseCausalAttention.build([len(s) for s in sequences], config, device,
                                        backend="auto" if device.type == "cuda" else "torch")
-    recorder = _Recorder(dense, config.num_layers, config.num_kv_heads)
+    rotation = kv_rotation(config.head_dim) if rotate else None
+    recorder = _Recorder(dense, config.num_layers, config.num_kv_heads, rotation)
     model(ids, positions, recorder)
     limit = fp8_max(cache_dtype)
     scales = []
@@ -244,6 +285,6 @@ def calibrate(loaded, cache_dtype: torch.dtype, headroom: float = HEADROOM) -> K
             layer = int((~torch.isfinite(amax)).nonzero()[0, 0])
             raise ValueError(f"calibration: the model produced non-finite {name} values in layer {layer}")
         scales.append(scale_for_amax(amax, cache_dtype, headroom))
-    detail = (f"amax over {what}; scale = 2^ceil(log2(amax x {headroom:g} / {limit:g})) "
-              f"({kv_cache_dtype_name(cache_dtype)})")
-    return KVScales(scales[0], scales[1], "calibrated", detail)
+    detail = (f"amax over {what}{'' if rotation is None else ' of K and V rotated'}; scale = "
+              f"2^ceil(log2(amax x {headroom:g} / {limit:g})) ({kv_cache_dtype_name(cache_dtype)})")
+    return KVScales(scales[0], scales[1], "calibrated", detail, None if rotation is None else KV_ROTATION)

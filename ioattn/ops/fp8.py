@@ -123,6 +123,28 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.to(compute) * scale.to(compute)[:, None]).to(dtype)
 
 
+# The rotation an fp8 cache may store K and V in (see `ioattn.engine.kv_scales`): its name, and the seed of its signs.
+KV_ROTATION = "hadamard-signed"
+KV_ROTATION_SEED = 0
+
+
+def kv_rotation(head_dim: int) -> torch.Tensor | None:
+    """The ±1 matrix M = diag(s) H (H the Sylvester Hadamard matrix, s random signs from a fixed seed) with
+    M M^T = M^T M = head_dim * I, float32 (head_dim, head_dim); None unless head_dim is a power of two.
+
+    A cache rotated by it holds K M / D and V M / D and the queries become q M: (q M).(k M / D) = q.k, and the
+    output o' = P (V M / D) gives o = o' M^T. Every entry (±1, ±1/D) is exact in float16 and bfloat16, so only the
+    products round. The signs matter: the plain Hadamard matrix's first column is all ones, which puts the mean of
+    K (a large part of its RMS on smollm2) into one channel."""
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        return None
+    h = torch.ones(1, 1)
+    while h.shape[0] < head_dim:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    signs = torch.randint(0, 2, (head_dim,), generator=torch.Generator().manual_seed(KV_ROTATION_SEED)) * 2.0 - 1
+    return signs[:, None] * h
+
+
 def bytes_view(cache: torch.Tensor) -> torch.Tensor:
     """An fp8 cache as uint8 (the same memory), for the copies torch has no fp8 kernel for (index_copy_ on
     the CPU); any other cache as itself."""

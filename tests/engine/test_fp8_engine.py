@@ -19,8 +19,10 @@ from ioattn.engine.config import EngineConfig, resolve_settings
 from ioattn.engine.kv_scales import HEADROOM, KVScales, calibrate, checkpoint_scales
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
+from ioattn.eval import perplexity
 from ioattn.kv import KVCacheManager
 from ioattn.models.loader import load_model
+from ioattn.ops.fp8 import KV_ROTATION, kv_rotation
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "models"))
 
@@ -96,8 +98,9 @@ def test_calibration_rule_is_a_power_of_two_above_amax(tiny):
     sequences, _ = calibration_tokens(tiny, tiny.max_model_len)
     ids = torch.tensor([t for seq in sequences for t in seq])
     positions = torch.cat([torch.arange(len(seq)) for seq in sequences])
+    assert scales.rotation == KV_ROTATION  # amax of the rotated values, which the cache holds
     recorder = _Recorder(DenseCausalAttention.build([len(s) for s in sequences], tiny.config, "cpu", backend="torch"),
-                         tiny.config.num_layers, tiny.config.num_kv_heads)
+                         tiny.config.num_layers, tiny.config.num_kv_heads, kv_rotation(tiny.config.head_dim))
     with torch.inference_mode():
         tiny.model(ids, positions, recorder)
     for amax, s in ((recorder.k_amax, scales.k), (recorder.v_amax, scales.v)):
@@ -118,12 +121,25 @@ def test_user_scales_number_file_and_unit_warning(tiny, tmp_path):
     good.write_text(json.dumps({"k_scale": [[0.25] * heads] * layers, "v_scale": [0.125] * layers}))
     from_file = engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(good))
     assert torch.all(from_file.attention.kv_scales.v == 0.125) and from_file.attention.kv_scales.source == "user"
+    assert from_file.attention.kv_scales.rotation is None and from_file.attention.rotation is None
+    rotated_file = tmp_path / "rotated.json"
+    rotated_file.write_text(json.dumps({"k_scale": [0.25] * layers, "v_scale": [0.125] * layers,
+                                        "rotation": KV_ROTATION}))
+    assert engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=str(rotated_file)).attention.rotation is not None
+    ones = torch.ones(layers, heads)
+    for scales, message in ((KVScales(torch.ones(1, 1), ones, "user", ""), r"kv_cache_scales.k must be \(num_layers"),
+                            (KVScales(ones, -ones, "user", ""), "finite and > 0"),
+                            (KVScales(ones, ones, "user", "", "hadamard"), "kv_cache_scales.rotation must be")):
+        with pytest.raises(ValueError, match=message):
+            engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=scales)
     bad_cases = [
         ({"k_scale": [[0.25] * (heads + 1)] * layers, "v_scale": [1.0] * layers}, r"k_scale\[0\] must be a number "
                                                                                    f"or a list of {heads}"),
         ({"k_scale": [0.25] * (layers - 1), "v_scale": [1.0] * layers}, f"one entry per layer \\({layers}\\)"),
         ({"k_scale": [0.25] * layers, "v_scale": [1.0] * (layers - 1) + [-1.0]}, "finite and > 0"),
         ({"k_scale": [0.25] * layers}, "'k_scale' and 'v_scale'"),
+        ({"k_scale": [0.25] * layers, "v_scale": [1.0] * layers, "rotation": "hadamard"}, "'rotation' must be null "
+                                                                                            "or 'hadamard-signed'"),
     ]
     for data, message in bad_cases:
         bad = tmp_path / "bad.json"
@@ -253,6 +269,67 @@ def test_kvscales_identity_follows_the_values():
     b = KVScales(torch.ones(2, 3), torch.ones(2, 3) * 2, "user", "")
     assert a.identity() == KVScales(torch.ones(2, 3), torch.ones(2, 3), "calibrated", "x").identity()
     assert a.identity() != b.identity()
+
+
+def test_kv_rotation_matrix():
+    for dim in (1, 2, 16, 64, 128, 256):
+        m = kv_rotation(dim)
+        assert m.dtype == torch.float32 and set(m.abs().unique().tolist()) == {1.0}  # exact in every dtype
+        assert torch.equal(m @ m.T, dim * torch.eye(dim)) and torch.equal(m.T @ m, dim * torch.eye(dim))
+        assert torch.equal(m, kv_rotation(dim))  # fixed: the prefix-cache key and exported blocks rely on it
+    assert not torch.equal(kv_rotation(64)[:, 0].abs(), kv_rotation(64)[:, 0])  # signed: not all ones
+    assert kv_rotation(48) is None and kv_rotation(0) is None
+
+
+def test_rotated_cache_holds_rotated_values_and_matches_the_unrotated_run(tiny):
+    # Calibrated scales rotate; the cache then holds K M / D quantized, and attention is rotated back: the logits
+    # match an fp8 run without rotation to fp8's precision, and the prefix key tells the two apart.
+    rotated = engine(tiny, kv_cache_dtype="fp8_e4m3")
+    scales = rotated.attention.kv_scales
+    assert scales.rotation == KV_ROTATION and rotated.stats()["attention"]["kv_scales"]["rotation"] == KV_ROTATION
+    plain_scales = calibrate(tiny, torch.float8_e4m3fn, rotate=False)
+    assert plain_scales.rotation is None and plain_scales.identity() != scales.identity()
+    assert KVScales(scales.k, scales.v, "user", "").identity() != scales.identity()
+    plain = engine(tiny, kv_cache_dtype="fp8_e4m3", kv_cache_scales=plain_scales)
+    assert rotated.prefix_key != plain.prefix_key
+
+    from ioattn.engine.attention import PagedAttention
+    from ioattn.ops.fp8 import dequantize
+
+    captured = {}
+
+    class Capture:  # the model's K and V of layer 0 for the prompt, as the engine's attention receives them
+        def __init__(self, attention):
+            self.attention = attention
+
+        def attend(self, q, k, v, layer_idx, ctx):
+            if layer_idx == 0 and "k" not in captured:
+                captured.update(k=k.clone(), v=v.clone())
+            return PagedAttention.attend(self.attention, q, k, v, layer_idx, ctx)
+
+    attention = rotated.attention
+    original = attention.attend
+    attention.attend = Capture(attention).attend
+    try:
+        run(rotated, PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=1))
+    finally:
+        attention.attend = original
+    m, d = kv_rotation(tiny.config.head_dim), tiny.config.head_dim
+    tokens = captured["k"].shape[0]
+    for cache, scale, values in ((attention.k_caches[0], attention.k_scales[0], captured["k"]),
+                                 (attention.v_caches[0], attention.v_scales[0], captured["v"])):
+        expected = values @ m / d
+        stored = dequantize(cache, scale, torch.float32).reshape(-1, *expected.shape[1:])
+        # The prompt's rows sit somewhere in the pool: every expected row is found among the stored ones.
+        distance = torch.cdist(expected.reshape(tokens, -1), stored.reshape(stored.shape[0], -1))
+        nearest = distance.min(dim=1).values / expected.reshape(tokens, -1).norm(dim=1)
+        assert (nearest < 0.07).all()  # e4m3's rounding (2^-4 relative at most), nothing more
+    ids = [t for prompt in PROMPTS for t in prompt][:96]
+    exact = perplexity(tiny, ids, chunk=32).perplexity
+    for kv_scales in (scales, plain_scales):
+        fp8 = perplexity(tiny, ids, chunk=32, kv_cache_dtype="fp8_e4m3", kv_cache_scales=kv_scales)
+        assert fp8.kv_scales["rotation"] == kv_scales.rotation
+        assert abs(fp8.perplexity / exact - 1) < 0.01, (kv_scales.rotation, fp8.perplexity, exact)
 
 
 @pytest.mark.gpu
