@@ -66,20 +66,30 @@ def measure_trial(case, q, k, v, lens, k_scale, v_scale, expected, kv_bytes, arg
     return row
 
 
-def main() -> None:
+def run_setup(script: str):
+    """(the output folder $OUT, the timing settings, the result dict with its disclosure) of a lab decode run."""
     out_dir = Path(os.environ.get("OUT", "/tmp/out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = "cuda" if CUDA else "cpu"
-    dtype = torch.bfloat16 if CUDA else torch.float32
     args = SimpleNamespace(layers=32 if CUDA else 1, layers_gib=8.0, warmup_ms=25.0 if CUDA else 1.0,
                            rep_ms=100.0 if CUDA else 1.0, device=device)
-    result = {"disclosure": harness.collect_disclosure(device, "PYTHONPATH=. python3 lab/fp8_tiles.py"), "rows": []}
+    return out_dir, args, {"disclosure": harness.collect_disclosure(device, f"PYTHONPATH=. python3 {script}"),
+                           "rows": []}
+
+
+def decode_inputs(batch: int, length: int, device: str):
+    """(case, q, k, v, lens): random bf16 (CPU: float32) decode inputs of one shape, every sequence `length` long."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    case = Case(harness.dtype_name(dtype), batch, *HEADS, length, HEAD_DIM)
+    k = torch.randn(batch, length, HEADS[1], HEAD_DIM, dtype=dtype, device=device)
+    q = torch.randn(batch, HEADS[0], HEAD_DIM, dtype=dtype, device=device)
+    return case, q, k, torch.randn_like(k), torch.full((batch,), length, dtype=torch.int32, device=device)
+
+
+def main() -> None:
+    out_dir, args, result = run_setup("lab/fp8_tiles.py")
     for batch, length in SHAPES:
-        case = Case(harness.dtype_name(dtype), batch, *HEADS, length, HEAD_DIM)
-        k = torch.randn(batch, length, HEADS[1], HEAD_DIM, dtype=dtype, device=device)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, HEADS[0], HEAD_DIM, dtype=dtype, device=device)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        case, q, k, v, lens = decode_inputs(batch, length, args.device)
         k8, v8, k_scale, v_scale = fp8_inputs(k, v, torch.float8_e4m3fn)
         ref8, _ = attention_ref(q[:1, None], dequantize(k8[:1], k_scale, torch.float64),
                                 dequantize(v8[:1], v_scale, torch.float64))

@@ -13,41 +13,26 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-from ioattn.bench import harness
-from ioattn.bench.decode import Case, fp8_inputs
+from ioattn.bench.decode import fp8_inputs
 from ioattn.ops import paged
 from ioattn.ops.fp8 import dequantize
 from ioattn.reference import attention_ref
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_tiles import measure_trial  # noqa: E402
+from fp8_tiles import HEADS, decode_inputs, measure_trial, run_setup  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 SHAPES = [(1, 32768), (8, 32768), (64, 4096), (256, 4096), (64, 16384), (1, 131072)] if CUDA else [(2, 64)]
-HEADS = (32, 8) if CUDA else (4, 2)
-HEAD_DIM = 128 if CUDA else 32
 BY_BITS = paged.fp8_upcast_by_bits
 
 
 def main() -> None:
-    out_dir = Path(os.environ.get("OUT", "/tmp/out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = "cuda" if CUDA else "cpu"
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    args = SimpleNamespace(layers=32 if CUDA else 1, layers_gib=8.0, warmup_ms=25.0 if CUDA else 1.0,
-                           rep_ms=100.0 if CUDA else 1.0, device=device)
-    result = {"disclosure": harness.collect_disclosure(device, "PYTHONPATH=. python3 lab/fp8_upcast.py"), "rows": []}
+    out_dir, args, result = run_setup("lab/fp8_upcast.py")
     for batch, length in SHAPES:
-        case = Case(harness.dtype_name(dtype), batch, *HEADS, length, HEAD_DIM)
-        k = torch.randn(batch, length, HEADS[1], HEAD_DIM, dtype=dtype, device=device)
-        v = torch.randn_like(k)
-        q = torch.randn(batch, HEADS[0], HEAD_DIM, dtype=dtype, device=device)
-        lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        case, q, k, v, lens = decode_inputs(batch, length, args.device)
         ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
         trials = [("bf16", None, (k, v, None, None), ref, case.kv_bytes)]
         for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
