@@ -16,7 +16,7 @@ import torch
 
 from ioattn import LLM
 from ioattn.engine.config import EngineConfig, resolve_settings
-from ioattn.engine.kv_scales import HEADROOM, KVScales, calibrate, checkpoint_scales
+from ioattn.engine.kv_scales import HEADROOM, KVScales, calibrate, checkpoint_scales, resolve_kv_scales
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import SamplingParams
 from ioattn.eval import perplexity
@@ -269,6 +269,20 @@ def test_kvscales_identity_follows_the_values():
     b = KVScales(torch.ones(2, 3), torch.ones(2, 3) * 2, "user", "")
     assert a.identity() == KVScales(torch.ones(2, 3), torch.ones(2, 3), "calibrated", "x").identity()
     assert a.identity() != b.identity()
+
+
+def test_junk_kv_cache_scales_fail_naming_the_setting(tiny, tmp_path):
+    layers, heads = tiny.config.num_layers, tiny.config.num_kv_heads
+    ones = torch.ones(layers, heads)
+    not_json = tmp_path / "scales.txt"
+    not_json.write_text("k_scale = 1")
+    junk = [True, -1.0, math.nan, [], {}, object(), b"x", "", str(not_json), str(tmp_path),
+            KVScales("k", ones, "user", ""), KVScales(ones, None, "user", ""),
+            KVScales(ones * math.nan, ones, "user", ""), KVScales(ones, ones, "user", "", rotation=1)]
+    for value in junk:
+        with pytest.raises(ValueError, match="kv_cache_scales"):
+            EngineConfig(kv_cache_dtype="fp8_e4m3", kv_cache_scales=value)
+            resolve_kv_scales(tiny, torch.float8_e4m3fn, value)
 
 
 def test_kv_rotation_matrix():
