@@ -140,6 +140,7 @@ def describe(engine, spec: EngineSpec) -> wire.EngineInfo:
         cache_dtype=described["cache_dtype"], attention_backend=str(described["backend"]),
         tensor_parallel_size=spec.tensor_parallel_size, pid=os.getpid(),
         kv_scales=(described.get("kv_scales") or {}).get("source"),
+        kv_rotation=(described.get("kv_scales") or {}).get("rotation"),
     )
 
 

@@ -36,8 +36,8 @@ class ServerMetrics:
         self.kv_tokens_total = Gauge("ioattn_kv_cache_tokens_total", "Token slots in the KV pool (blocks x block "
                                      "size)", registry=registry)
         self.kv_cache_info = Gauge("ioattn_kv_cache_info", "The KV cache's element type and, for fp8, where its "
-                                   "scales came from (1 for the engine's)", ["cache_dtype", "kv_scales"],
-                                   registry=registry)
+                                   "scales came from and the rotation its K and V are stored in (1 for the "
+                                   "engine's)", ["cache_dtype", "kv_scales", "kv_rotation"], registry=registry)
         self.prefix_hit_rate = Gauge("ioattn_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, "
                                      "fraction of those looked up since start", registry=registry)
         self.prefix_queries = Counter("ioattn_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -81,7 +81,8 @@ class ServerMetrics:
         """What the engine process loaded: its KV cache's capacity and format."""
         self.kv_tokens_total.set(info.kv_tokens)
         self.kv_cache_info.clear()
-        self.kv_cache_info.labels(cache_dtype=info.cache_dtype or "", kv_scales=info.kv_scales or "").set(1)
+        self.kv_cache_info.labels(cache_dtype=info.cache_dtype or "", kv_scales=info.kv_scales or "",
+                                  kv_rotation=info.kv_rotation or "").set(1)
 
     def engine_restarted(self) -> None:
         """A new engine process counts from zero again."""

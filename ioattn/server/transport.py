@@ -69,6 +69,7 @@ class EngineInfo(msgspec.Struct):
     tensor_parallel_size: int
     pid: int
     kv_scales: str | None = None  # an fp8 cache's scale source (checkpoint, calibrated, user, unit)
+    kv_rotation: str | None = None  # an fp8 cache's rotation (`ioattn.engine.kv_scales`), None if unrotated
 
     @property
     def kv_tokens(self) -> int:

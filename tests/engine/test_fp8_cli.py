@@ -82,8 +82,10 @@ def test_metrics_name_the_kv_cache():
     metrics = ServerMetrics()
     info = EngineInfo(model="tiny", dtype="float32", device="cpu", vocab_size=258, max_model_len=128, max_num_seqs=4,
                       eos_token_ids=[2], block_size=16, num_blocks=10, kv_cache_bytes=1, cache_dtype="fp8_e4m3",
-                      attention_backend="torch", tensor_parallel_size=1, pid=1, kv_scales="calibrated")
+                      attention_backend="torch", tensor_parallel_size=1, pid=1, kv_scales="calibrated",
+                      kv_rotation="hadamard-signed")
     metrics.engine_ready(info)
     text = metrics.render().decode()
-    assert 'ioattn_kv_cache_info{cache_dtype="fp8_e4m3",kv_scales="calibrated"} 1.0' in text
+    assert ('ioattn_kv_cache_info{cache_dtype="fp8_e4m3",kv_rotation="hadamard-signed",kv_scales="calibrated"} 1.0'
+            in text)
     assert "ioattn_kv_cache_tokens_total 160.0" in text
