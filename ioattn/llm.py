@@ -21,6 +21,7 @@ import torch
 
 from ioattn.distributed.worker import TensorParallelEngine
 from ioattn.engine.config import EngineConfig
+from ioattn.engine.kv_scales import KVScales
 from ioattn.engine.llm_engine import LLMEngine
 from ioattn.engine.sampling import BeamSearchParams, SamplingParams
 from ioattn.engine.outputs import RequestMetrics, RequestOutput
@@ -45,7 +46,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         async_scheduling: bool | None = None,
         kv_cache_dtype: str = "auto",
-        kv_cache_scales=None,
+        kv_cache_scales: str | float | KVScales | None = None,
         **engine_kwargs,
     ):
         """engine_kwargs: the other `EngineConfig` fields (enable_chunked_prefill, scheduling, policy,
