@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The integer fp8 -> bf16 upcast and the rotated fp8 cache on the device in one call (< 9 minutes): the fp8 GPU
-# tests (the upcast bit for bit over all 256 codes, NaN codes reaching the output, every paged path with bf16
-# queries, the fp8 engine's graphs), lab/fp8_upcast.py (Triton's conversion against the integer upcast, beside the
-# bf16 cache), then the decode rows of W2 4/7's bar (B·L >= 64k, 32/8 heads) beside cuDNN.
+# The fp8 decode's routes on the device in one call (< 9 minutes): the fp8 GPU tests (the conversions bit for bit
+# over all 256 codes, NaN codes reaching the output, queries of any magnitude, every paged path with bf16 queries,
+# the fp8 engine's graphs), lab/fp8_upcast.py (Triton's conversion against float16 dots, beside the bf16 cache),
+# then the decode rows of W2 4/7's bar (B·L >= 64k, 32/8 heads) beside cuDNN.
 # From the repository root on the device:   OUT=/tmp/out bash lab/fp8_upcast_device.sh
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -12,7 +12,7 @@ timeout 150 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p n
     tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py tests/engine/test_fp8_engine.py \
     > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
-step "1. Triton's fp8 conversion against the integer upcast"
+step "1. fp8 decode: Triton's conversion against float16 dots"
 timeout 120 python3 lab/fp8_upcast.py > "$OUT/fp8-upcast.txt" 2>&1
 echo "fp8_upcast exit $?"
 python3 - "$OUT/fp8-upcast.json" <<'PY'

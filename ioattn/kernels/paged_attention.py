@@ -12,12 +12,16 @@ directly. Masking is over logical positions: query at position p sees key k iff 
 (when right >= 0) and (k >= p - left or k < sink_tokens) (when left >= 0). A table entry of -1 (a block an
 eviction policy freed) is never read: masked tiles load only positions whose block id is >= 0.
 
-FP8 caches (FP8): K/V tiles are loaded as fp8 (half the bytes of bf16) and converted exactly to the query's dtype
-in registers (for bf16 queries on CUDA by integer ops, `upcast_fp8`: 8-14% faster than Triton's conversion on an
-H100, bench/results/2026-12-06-fp8-upcast-h100); the dequantization scales, one per KV head (the program's), cost
-two scalar loads: the K scale multiplies the softmax scale, the V scale the normalised output (partials included:
-the merge is linear), so the kernel computes attention over the dequantized cache with no rounding of its own
-beyond the usual.
+FP8 caches (FP8): K/V tiles are loaded as fp8 (half the bytes of bf16) and converted exactly in registers: to the
+query's dtype, or (FP16_DOTS, bf16 queries on CUDA) to float16, two codes per instruction, with the queries scaled
+into float16 by a power of two per row (`to_fp16_by_rows`) and the dots run in float16. Triton converts fp8 to bf16
+through float32, an F2F per element; an integer fp8 -> bf16 upcast still cost 3 instructions per cached element
+against 0.5 for the conversion to float16 (lab/aot.py --sass: 741 -> 415 per thread per 64-key tile; H100 decode
+5% faster than the integer upcast, 15% than Triton's bf16 conversion, bench/results/2026-12-06-fp8-fp16-dots-h100).
+The dequantization scales, one per KV head (the program's), cost two scalar loads: the K scale multiplies the
+softmax scale, the V scale the normalised output (partials included: the merge is linear), so the kernel computes
+attention over the dequantized cache with no rounding of its own beyond the usual (float16 keeps 3 more bits of
+the probabilities than bf16).
 
 Loop shape, as Triton 3.6 pipelines it (read off the sm_90 TTGIR with lab/aot.py): the gathered K/V
 loads get one shared-memory buffer, issued at the end of an iteration and awaited at the start of the next, so
@@ -33,54 +37,42 @@ from triton.language.extra.cuda import gdc_launch_dependents
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-# fp8 -> bf16 without the conversion unit. Triton converts fp8 to bf16 through float32 (an F2F per element, at a
-# sixteenth of the integer rate on sm_90), which held the fp8 decode to the bf16 kernel's element rate. Per 4 codes
-# in one register: each byte sign-extended into a 16-bit half (PRMT), shifted so that its exponent and mantissa
-# sit where bf16's do (the exponent then off by 127 - the format's bias), masked, and scaled by 2^(127 - bias) in
-# one bf16x2 FMA (exact; a subnormal code becomes a bf16 subnormal that the product makes exact). A NaN code (and
-# e5m2's inf, which a saturating write never stores) is ORed to all ones, a bf16 NaN: a poisoned key is never
-# hidden. Per format: |code| + CARRY sets a byte's bit 7 for NaN/inf, SHIFT, the kept bits, 2^(127 - bias).
-_FP8_TO_BF16 = """{ .reg .b32 m, f0, f1, w0, w1, b, z;
-and.b32 m, $2, 0x7F7F7F7F;
-add.u32 m, m, CARRY;
-prmt.b32 f0, m, 0, 0x9988;
-prmt.b32 f1, m, 0, 0xBBAA;
-prmt.b32 w0, $2, 0, 0x9180;
-prmt.b32 w1, $2, 0, 0xB3A2;
-shl.b32 w0, w0, SHIFT;
-shl.b32 w1, w1, SHIFT;
-lop3.b32 w0, w0, KEEP, f0, 0xEA;
-lop3.b32 w1, w1, KEEP, f1, 0xEA;
-mov.b32 b, BIAS;
-mov.b32 z, 0x80008000;
-fma.rn.bf16x2 $0, w0, b, z;
-fma.rn.bf16x2 $1, w1, b, z; }"""
-E4M3_TO_BF16: tl.constexpr = tl.constexpr(
-    _FP8_TO_BF16.replace("CARRY", "0x01010101").replace("SHIFT", "4").replace("KEEP", "0x87F087F0")
-    .replace("BIAS", "0x7B807B80"))
-E5M2_TO_BF16: tl.constexpr = tl.constexpr(
-    _FP8_TO_BF16.replace("CARRY", "0x04040404").replace("SHIFT", "5").replace("KEEP", "0x8FE08FE0")
-    .replace("BIAS", "0x77807780"))
+# fp8 -> fp16 by the conversion unit, 2 codes per instruction (cvt.rn.f16x2.e4m3x2 / e5m2x2; NaN stays NaN, inf
+# inf), written as inline PTX so that V's conversion can be pinned (see `upcast_fp8_fp16`).
+_FP8_TO_FP16 = """{ .reg .b16 lo, hi;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.FMT $0, lo;
+cvt.rn.f16x2.FMT $1, hi; }"""
+E4M3_TO_FP16: tl.constexpr = tl.constexpr(_FP8_TO_FP16.replace("FMT", "e4m3x2"))
+E5M2_TO_FP16: tl.constexpr = tl.constexpr(_FP8_TO_FP16.replace("FMT", "e5m2x2"))
 
 
 @triton.jit
-def upcast_fp8(x, dtype: tl.constexpr, BITS: tl.constexpr, PINNED: tl.constexpr = False):
-    """fp8 codes -> `dtype`, exactly. BITS (CUDA, bf16 only): the integer route above; else Triton's conversion
-    (the interpreter's, and on CUDA the one-instruction fp8x2 -> f16x2 for float16).
-
-    PINNED keeps the integer route where it is written: as a pure op Triton moves it past the tile's change to
-    the dot-operand layout, which for V (the second operand of P @ V, keys along its rows) reads fp8 from shared
-    memory one byte per instruction (256 LDS.U8 in the sm_90 decode build); pinned, V is upcast in the load's
-    layout and changes layout as bf16, with ldmatrix.trans."""
-    if BITS:
-        if x.dtype == tl.float8e5:
-            asm: tl.constexpr = E5M2_TO_BF16
-        else:
-            asm: tl.constexpr = E4M3_TO_BF16
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16,
-                                         is_pure=not PINNED, pack=4)
+def upcast_fp8_fp16(x, PINNED: tl.constexpr):
+    """fp8 codes -> float16, exactly. PINNED keeps the conversion where it is written: as a pure op Triton moves it
+    past the tile's change to the dot-operand layout, which for V (the second operand of P @ V, keys along its
+    rows) reads fp8 from shared memory one byte per instruction (256 LDS.U8 in the sm_90 decode build); pinned, V
+    is converted in the load's layout and changes layout as float16, with ldmatrix.trans."""
+    if x.dtype == tl.float8e5:
+        asm: tl.constexpr = E5M2_TO_FP16
     else:
-        return x.to(dtype)
+        asm: tl.constexpr = E4M3_TO_FP16
+    return tl.inline_asm_elementwise(asm, "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16,
+                                     is_pure=not PINNED, pack=4)
+
+
+@triton.jit
+def to_fp16_by_rows(q):
+    """q (rows, D) -> (q * 2^e as float16, 2^-e per row): e puts each row's largest |q| in [2^14, 2^15], so a bf16
+    row fits float16 (max 65504) whatever its magnitude, exactly (a power of two; bf16's 8 significant bits fit
+    float16's 11 down to 2^-32 of the row's max, where float16's subnormals begin to drop them)."""
+    amax = tl.max(tl.abs(q.to(tl.float32)), 1)
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # the exponent field: 0 zero/subnormal, 255 inf/NaN
+    shift = tl.where((biased > 0) & (biased < 255), 141 - biased, 0)  # 14 - (biased - 127)
+    shift = tl.minimum(tl.maximum(shift, -126), 126)
+    up = ((shift + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - shift) << 23).to(tl.float32, bitcast=True)
+    return (q.to(tl.float32) * up[:, None]).to(tl.float16), down
 
 
 @triton.jit
@@ -90,6 +82,29 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
         return tl.dot(a, b, acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _upcast_kv(k, v, dtype: tl.constexpr, FP8: tl.constexpr, FP16_DOTS: tl.constexpr):
+    """K and V tiles as the dots take them: unchanged, or fp8 converted exactly (every fp8 value is a float16/
+    bfloat16/float32 value) to float16 (FP16_DOTS) or to the queries' dtype."""
+    if FP8:
+        if FP16_DOTS:
+            return upcast_fp8_fp16(k, False), upcast_fp8_fp16(v, True)
+        else:
+            return k.to(dtype), v.to(dtype)
+    else:
+        return k, v
+
+
+@triton.jit
+def _scaled(s, scale_log2, FP16_DOTS: tl.constexpr):
+    """Scores times the softmax scale in base 2: one per row with FP16_DOTS (it undoes each row's power of two, see
+    `to_fp16_by_rows`), else one for all."""
+    if FP16_DOTS:
+        return s * scale_log2[:, None]
+    else:
+        return s * scale_log2
 
 
 @triton.jit
@@ -113,7 +128,7 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   offs_d, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr,
-                  FP8_BITS: tl.constexpr):
+                  FP16_DOTS: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi); scores kept in base 2 (exp2 is the fast path).
 
     MASKED=False is for tiles every row sees whole: no bounds or position tests at all.
@@ -130,10 +145,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
             live = (block >= 0) & (offs_n < seq_len)  # evicted blocks and positions past the end read as zero
             k = tl.load(k_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
-            if FP8:  # exact: every fp8 value is a float16/bfloat16/float32 value
-                k = upcast_fp8(k, q.dtype, FP8_BITS)
-                v = upcast_fp8(v, q.dtype, FP8_BITS, True)
-            s = _dot(q, tl.trans(k), None, IEEE) * scale_log2
+            k, v = _upcast_kv(k, v, q.dtype, FP8, FP16_DOTS)
+            s = _scaled(_dot(q, tl.trans(k), None, IEEE), scale_log2, FP16_DOTS)
             seen = (live[None, :]
                     & ((window_right < 0) | (offs_n[None, :] <= pos[:, None] + window_right))
                     & ((window_left < 0) | (offs_n[None, :] >= pos[:, None] - window_left)
@@ -142,10 +155,8 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-            if FP8:
-                k = upcast_fp8(k, q.dtype, FP8_BITS)
-                v = upcast_fp8(v, q.dtype, FP8_BITS, True)
-            s = _dot(q, tl.trans(k), None, IEEE) * scale_log2
+            k, v = _upcast_kv(k, v, q.dtype, FP8, FP16_DOTS)
+            s = _scaled(_dot(q, tl.trans(k), None, IEEE), scale_log2, FP16_DOTS)
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
@@ -177,12 +188,13 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
     IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
-    FP8: tl.constexpr = False, FP8_BITS: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP16_DOTS: tl.constexpr = False,
 ):
     """Grid (batch * q_tiles_per_seq, num_kv_heads, num_splits). Out/Lse are indexed [split, token, head].
 
     FP8: the caches are fp8 and K_scale/V_scale float32 (num_kv_heads,) dequantize them; else both are None.
-    FP8_BITS: upcast them to bf16 by integer ops (`upcast_fp8`; compiled CUDA kernels with bf16 queries only).
+    FP16_DOTS (fp8, bf16 queries, compiled CUDA kernels): queries scaled per row into float16 and the tiles converted
+    to float16 two codes per instruction; the dots run in float16.
 
     RELEASE_DEPENDENTS: let a kernel launched after this one by programmatic dependent launch (the split combine)
     start as soon as every program of this grid has started; it waits for this grid's end itself (sm_90+)."""
@@ -233,6 +245,9 @@ def paged_attention_kernel(
     V_head = V_cache + kv_head * stride_vh
     if FP8:
         scale_log2 = scale_log2 * tl.load(K_scale + kv_head)
+        if FP16_DOTS:
+            q, row_scale = to_fp16_by_rows(q)
+            scale_log2 = scale_log2 * row_scale
 
     # Sink tiles left of the window are always visible; the first split owns them.
     sink_hi = tl.minimum((tl.minimum(sink_tokens, kv_hi) + BLOCK_N - 1) // BLOCK_N, tile_lo)
@@ -248,7 +263,7 @@ def paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, lo, hi,
             window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2, FP8, FP8_BITS)
+            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2, FP8, FP16_DOTS)
 
     # Empty rows (no visible key in this split) write output 0 and LSE -inf, never NaN.
     empty = l_i == 0.0

@@ -185,13 +185,14 @@ class PagedPlan:
         return launch + splits + (f" ({self.reason})" if self.reason else "") + cache
 
 
-def describe_cache(k_cache: torch.Tensor, backend: str, gather: bool) -> str:
-    """What a plan says about the cache: its dtype, and for fp8 where the scales go."""
-    return _cache_words(k_cache.dtype, backend, gather)
+def describe_cache(k_cache: torch.Tensor, backend: str, gather: bool, float16_dots: bool = False) -> str:
+    """What a plan says about the cache: its dtype, and for fp8 where the scales go and (the paged kernel) how the
+    tiles meet the queries (`fp16_dots`)."""
+    return _cache_words(k_cache.dtype, backend, gather, float16_dots)
 
 
 @functools.cache
-def _cache_words(dtype: torch.dtype, backend: str, gather: bool) -> str:
+def _cache_words(dtype: torch.dtype, backend: str, gather: bool, float16_dots: bool) -> str:
     name = kv_cache_dtype_name(dtype)
     if not is_fp8(dtype):
         return f"{name} KV cache"
@@ -200,7 +201,9 @@ def _cache_words(dtype: torch.dtype, backend: str, gather: bool) -> str:
     elif gather:
         how = "gathered as exact fp8 codes; the forward folds K scale into the softmax scale, V scale into the output"
     else:
-        how = "loaded as fp8; K scale folded into the softmax scale, V scale into the output, per KV head"
+        how = "loaded as fp8; K scale folded into the softmax scale, V scale into the output, per KV head; " + (
+            "float16 dots: tiles converted two codes per instruction, bf16 queries scaled into float16 by a power "
+            "of two per row" if float16_dots else "tiles converted to the queries' dtype")
     return f"{name} KV cache, {how}"
 
 
@@ -250,7 +253,7 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
     dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent,
-                     kv_cache=describe_cache(k_cache, "triton", False))
+                     kv_cache=describe_cache(k_cache, "triton", False, fp16_dots(q)))
 
 
 def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=None, max_seqlen_q=None, causal=True,
@@ -428,7 +431,7 @@ def paged_attention(
         TOKENS=plan.tokens_per_tile, BLOCK_M=plan.rows, BLOCK_N=cfg.block_n, PAGE=k_cache.shape[1],
         DECODE=decode, IEEE=q.dtype == torch.float32, NUM_STAGES=cfg.num_stages,
         RELEASE_DEPENDENTS=plan.dependent_combine,
-        **({"FP8": True, "FP8_BITS": fp8_upcast_by_bits(q)} if fp8 else {}),
+        **({"FP8": True, "FP16_DOTS": fp16_dots(q)} if fp8 else {}),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     if splits > 1:
@@ -438,9 +441,10 @@ def paged_attention(
     return out, lse if decode else lse.t()
 
 
-def fp8_upcast_by_bits(q: torch.Tensor) -> bool:
-    """Whether the paged kernel upcasts fp8 K/V by integer ops (CUDA, bf16 queries), not Triton's conversion,
-    which goes through float32 one element at a time and held fp8 decode to the bf16 kernel's speed."""
+def fp16_dots(q: torch.Tensor) -> bool:
+    """Whether the paged kernel computes with fp8 K/V tiles in float16 (bf16 queries on CUDA; see
+    `paged_attention_kernel`), not by Triton's conversion to the queries' dtype (fp16 queries: already two codes per
+    instruction)."""
     return q.is_cuda and q.dtype == torch.bfloat16
 
 

@@ -17,7 +17,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ioattn.kernels.paged_attention import upcast_fp8
+from ioattn.kernels.paged_attention import to_fp16_by_rows, upcast_fp8_fp16
 from ioattn.ops import fp8 as fp8_ops
 from ioattn.ops.cache import copy_blocks, gather_cache, reshape_and_cache, swap_blocks
 from ioattn.ops.fp8 import dequantize, fp8_max, quantize
@@ -303,6 +303,38 @@ def test_fp8_refused_on_gpus_without_fp8_conversions(monkeypatch):
         fp8_ops.fp8_problem.cache_clear()
 
 
+@triton.jit
+def _rows_to_fp16_kernel(Q, Out, Down, ROWS: tl.constexpr, D: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * D + tl.arange(0, D)[None, :]
+    q16, down = to_fp16_by_rows(tl.load(Q + offs))
+    tl.store(Out + offs, q16)
+    tl.store(Down + tl.arange(0, ROWS), down)
+
+
+def test_queries_scaled_per_row_into_float16_exactly(device):
+    # The "fp16" route's bf16 queries: each row times a power of two with its largest |q| in [2^14, 2^15], where
+    # bf16's 8 significant bits fit float16's 11, so q16 * down gives the row back exactly (down a power of two
+    # too); rows of any magnitude in one tile, zero rows kept, non-finite rows passed through unscaled.
+    exps = [-110, -60, -24, -14, -1, 0, 3, 15, 16, 40, 100, 120]
+    q = torch.randn(16, 32, dtype=torch.float64)
+    q[: len(exps)] *= torch.tensor([2.0 ** e for e in exps], dtype=torch.float64)[:, None]
+    q[12] = 0.0
+    q[13, 5] = float("inf")
+    q[14, 7] = float("nan")
+    q = q.to(torch.bfloat16).to(device)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float16, device=device)
+    down = torch.full((16,), float("nan"), device=device)
+    _rows_to_fp16_kernel[(1,)](q, out, down, ROWS=16, D=32)
+    down = down.double().cpu()
+    assert (down.log2() == down.log2().round()).all(), "the row scales must be powers of two"
+    rows_ok = list(range(12))
+    assert torch.equal(out.double().cpu()[rows_ok] * down[rows_ok, None], q.double().cpu()[rows_ok])
+    amax = out.double().cpu()[rows_ok].abs().amax(1)
+    assert ((amax >= 2.0 ** 14) & (amax <= 2.0 ** 15)).all()
+    assert (out[12] == 0).all() and down[12] == 1.0
+    assert out[13].isinf().any() and out[14].isnan().any()
+
+
 # -- on the GPU: the hardware conversions, real shapes, graph capture ---------------------------------------------
 
 
@@ -351,32 +383,11 @@ def test_fp8_decode_in_a_cuda_graph_reads_updated_scales():
     assert rel_error(out, ref[:, :, :]) < TOLERANCE[torch.bfloat16]
 
 
-@triton.jit
-def _upcast_codes_kernel(Codes, Out, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    tl.store(Out + offs, upcast_fp8(tl.load(Codes + offs), tl.bfloat16, True))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fp8", FORMATS)
-def test_fp8_integer_upcast_is_exact_for_every_code_on_gpu(fp8):
-    # The bf16 decode's integer route (`upcast_fp8` with BITS) against torch's conversion, all 256 codes in 4
-    # orders (each code in each lane of its 4-code register): bit for bit where finite, NaN for NaN and inf codes.
-    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
-    codes = torch.cat([codes.view(-1, 4).roll(shift, 1).reshape(-1) for shift in range(4)])
-    out = torch.full(codes.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    _upcast_codes_kernel[(1,)](codes.view(fp8), out, N=codes.numel())
-    expected = codes.view(fp8).to(torch.bfloat16)
-    finite = expected.isfinite()
-    assert torch.equal(out[finite].view(torch.int16), expected[finite].view(torch.int16))
-    assert out[~finite].isnan().all()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", FORMATS)
 def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8):
     # A NaN key or value (kept by the write, see quantization above) must reach the output of the heads that read
-    # it, never be turned into a finite number by the bf16 decode's upcast.
+    # it, never be turned into a finite number by the bf16 decode's conversion.
     k_cache, v_cache, table, k_scale, v_scale = fp8_pool([300, 40], page=16, kv_heads=4, head_dim=128, fp8=fp8,
                                                          device="cuda")
     slot = int(table[0, 5]) * 16 + 3  # sequence 0, position 83
@@ -389,3 +400,48 @@ def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8):
         heads = out.isnan().any(dim=-1)
         assert heads[0].tolist() == [False] * 4 + [True] * 8 + [False] * 4
         assert not heads[1].any()
+
+
+@triton.jit
+def _upcast_fp16_codes_kernel(Codes, Out, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Out + offs, upcast_fp8_fp16(tl.load(Codes + offs), True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_fp8_fp16_upcast_is_exact_for_every_code_on_gpu(fp8):
+    # The "fp16" route's conversion (two codes per cvt) against torch's, all 256 codes in each lane of a register:
+    # bit for bit, NaN for NaN (e5m2's infinities stay infinite).
+    codes = torch.arange(256, dtype=torch.uint8, device="cuda")
+    codes = torch.cat([codes.view(-1, 4).roll(shift, 1).reshape(-1) for shift in range(4)])
+    out = torch.full(codes.shape, float("nan"), dtype=torch.float16, device="cuda")
+    _upcast_fp16_codes_kernel[(1,)](codes.view(fp8), out, N=codes.numel())
+    expected = codes.view(fp8).to(torch.float16)
+    nan = expected.isnan()
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+    assert out[nan].isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("magnitude", [2.0 ** -20, 2.0 ** 20, None])
+def test_fp8_bf16_queries_of_any_magnitude_on_gpu(magnitude):
+    # bf16 queries far outside float16's range (the "fp16" route scales each row by a power of two): scores of
+    # order one through the softmax scale, or (None) rows of magnitudes 2^-20 ... 2^20 sharing one program.
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool([700, 33], page=16, kv_heads=2, head_dim=128,
+                                                         fp8=torch.float8_e4m3fn, device="cuda")
+    q = torch.randn(2, 8, 128, dtype=torch.float64, device="cuda")
+    if magnitude is None:
+        q *= torch.tensor([2.0 ** e for e in (-20, -8, 0, 20)] * 2, dtype=torch.float64, device="cuda")[:, None]
+        scale = 1 / math.sqrt(128)
+    else:
+        q *= magnitude
+        scale = 1 / (magnitude * math.sqrt(128))
+    q = q.to(torch.bfloat16)
+    lens = torch.tensor([700, 33], dtype=torch.int32, device="cuda")
+    for splits in (1, 4):
+        out = paged_attention(q, k_cache, v_cache, table, lens, softmax_scale=scale, num_splits=splits,
+                              k_scale=k_scale, v_scale=v_scale)
+        ref, _ = reference(q, k_cache, v_cache, table, [700, 33], [1, 1], k_scale, v_scale, softmax_scale=scale)
+        assert out.isfinite().all()
+        assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
