@@ -5,7 +5,7 @@ Triton's wheel carries ptxas and cuobjdump, so registers, spills, shared memory 
 pressure were found (see ioattn/kernels/paged_attention.py).
 
     PYTHONPATH=. python3 lab/aot.py [--block-n 64] [--warps 4] [--stages 2] [--maxnreg N]
-        [--page 16] [--prefill] [--fp8 e4m3|e5m2 [--fp8-cast]] [--fp16]   # the paged kernel (default: decode)
+        [--page 16] [--prefill] [--fp8 e4m3|e5m2 [--fp8-cast]] [--fp16] [--paired]   # the paged kernel (decode)
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers]    # the dense forward kernel
         --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
         --gluon [--head-dim 128] [--causal] [--fp16] [--stages N] [--block-n N]  # the Gluon sm_90 forward
@@ -66,7 +66,8 @@ def sass_opcodes(kernel) -> collections.Counter:
     return collections.Counter(lines)
 
 
-def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16", cast=False):
+def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16", cast=False,
+                 paired=False):
     """fp8: None (caches in the queries' dtype: K_scale/V_scale are None, as the launcher passes them) or "e4m3" /
     "e5m2"; dtype: the queries' ("bf16" or "fp16"); cast: Triton's conversion to bf16 instead of float16 dots."""
     from ioattn.kernels.paged_attention import paged_attention_kernel as kernel
@@ -81,7 +82,7 @@ def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp
     aligned = [n for n in kernel.arg_names if types.get(n, "").startswith("*") or n.startswith("stride_")]
     constexprs = dict(HEAD_DIM=128, BLOCK_D=128, GROUP=4, TOKENS=1 if decode else block_m // 4, BLOCK_M=block_m,
                       BLOCK_N=block_n, PAGE=page, DECODE=decode, IEEE=False, NUM_STAGES=stages, FP8=fp8 is not None,
-                      FP16_DOTS=fp8 is not None and dtype == "bf16" and not cast)
+                      FP16_DOTS=fp8 is not None and dtype == "bf16" and not cast, PAIRED=paired)
     if fp8 is None:
         constexprs.update(K_scale=None, V_scale=None)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
@@ -158,6 +159,7 @@ def main() -> None:
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
     p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache instead of one in the queries' dtype")
     p.add_argument("--fp8-cast", action="store_true", help="paged fp8: Triton's conversion, not float16 dots")
+    p.add_argument("--paired", action="store_true", help="paged: whole tiles two per loop step (paired_tiles)")
     p.add_argument("--forward", action="store_true", help="the dense forward kernel instead of the paged one")
     p.add_argument("--block-m", type=int, default=128, help="forward: query rows per tile")
     p.add_argument("--head-dim", type=int, default=128, help="forward: head dim")
@@ -183,7 +185,7 @@ def main() -> None:
     else:
         kernel = paged_kernel(128 if args.prefill else 16, args.block_n or 64, args.warps, args.stages or 2,
                               args.page, not args.prefill, args.maxnreg, args.fp8, "fp16" if args.fp16 else "bf16",
-                              args.fp8_cast)
+                              args.fp8_cast, args.paired)
     allocs = re.findall(r"%(\w+) = ttg.local_alloc : \(\) -> !ttg.memdesc<([^,]+),", kernel.asm["ttgir"])
     print(resources(kernel))
     print(f"shared {kernel.metadata.shared} B; allocations: " + ", ".join(f"{n} {shape}" for n, shape in allocs))

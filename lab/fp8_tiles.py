@@ -2,8 +2,8 @@
 the default (the bf16 tuning), and the bf16 default beside them, at three shapes where B·L >= 64k.
 
 An fp8 tile of 64 keys reads half the bytes of a bf16 one, so fewer bytes are in flight per resident program;
-tiles of 128 keys (the bf16 tile's bytes) or more warps may win back what a 64-key tile leaves idle
-(lab/aot.py --fp8: 64 keys / 4 warps / 128 registers spill 16 bytes; 128 keys need 8 warps not to spill).
+paired whole tiles (two loaded per step), tiles of 128 keys (the bf16 tile's bytes) or more programs per SM may
+win back what a 64-key tile leaves idle (lab/aot.py --fp8 [--paired] [--maxnreg N] [--block-n N]).
 Each variant: per layer over up to 32 cache copies in one CUDA graph (`ioattn.bench.decode`'s hooks), the error
 against float64 on the dequantized cache first (a variant that misses is recorded as wrong and not timed).
 
@@ -31,10 +31,11 @@ CUDA = torch.cuda.is_available()
 SHAPES = [(64, 4096), (8, 32768), (256, 4096), (1, 131072)] if CUDA else [(2, 64)]
 HEADS = (32, 8) if CUDA else (4, 2)
 HEAD_DIM = 128 if CUDA else 32
-CONFIGS = [None] + [  # the default (the bf16 tuning: 64 keys, 4 warps, 2 stages, 128 registers), then variants
-    PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=2, maxnreg=r)
-    for n, w, r in ((64, 4, None), (64, 4, 96), (64, 2, None), (64, 8, None), (32, 4, 128), (32, 4, 96),
-                    (32, 2, None), (128, 8, 128), (128, 8, None), (128, 4, None))]
+CONFIGS = [None] + [  # the default (64 keys, 4 warps, 2 stages, 128 registers), then variants
+    PagedConfig(block_m=16, block_n=n, num_warps=w, num_stages=2, maxnreg=r, paired_tiles=paired)
+    for n, w, r, paired in ((64, 4, 128, True), (64, 4, None, True), (64, 4, 96, True), (32, 4, 128, True),
+                            (32, 4, 96, True), (64, 4, None, False), (64, 4, 96, False), (32, 4, 96, False),
+                            (128, 8, 128, False), (128, 4, None, False))]
 
 
 def measure_trial(case, q, k, v, lens, k_scale, v_scale, expected, kv_bytes, args, config=None) -> dict:

@@ -123,24 +123,66 @@ def _tile_blocks(table_row, tile, seq_len, PAGE: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _tile_rows(K_head, V_head, table_row, tile, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, offs_d,
+               PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(K pointers, V pointers, logical positions, physical block per position) of key tile `tile`."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    block = _tile_blocks(table_row, tile, seq_len, PAGE, BLOCK_N)
+    slot = offs_n % PAGE
+    k_ptrs = K_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+    v_ptrs = V_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+    return k_ptrs, v_ptrs, offs_n, block
+
+
+@triton.jit
+def _online_softmax(acc, m_i, l_i, s, v, IEEE: tl.constexpr):
+    """Fold one tile's base-2 scores s (rows, keys; -inf where unseen) and its values into the running state."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, tile_lo, tile_hi,
                   window_left, window_right, sink_tokens, scale_log2,
                   stride_kb, stride_ks, stride_vb, stride_vs,
                   offs_d, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, MASKED: tl.constexpr, FP8: tl.constexpr,
-                  FP16_DOTS: tl.constexpr):
+                  FP16_DOTS: tl.constexpr, PAIRED: tl.constexpr):
     """Online softmax over key tiles [tile_lo, tile_hi); scores kept in base 2 (exp2 is the fast path).
 
-    MASKED=False is for tiles every row sees whole: no bounds or position tests at all.
+    MASKED=False is for tiles every row sees whole: no bounds or position tests at all. PAIRED (with MASKED=False):
+    two tiles per step, both loaded before either is used, so a program has twice the bytes in flight at the
+    registers of one tile (the pipeliner gives the table-dependent gathers a single buffer, so a program waits
+    for each step's loads in full); an odd last tile goes alone.
     """
     d_ok = offs_d < HEAD_DIM
+    if PAIRED and not MASKED:
+        pairs = (tile_hi - tile_lo) // 2
+        for pair in tl.range(0, pairs, num_stages=NUM_STAGES):
+            tile = tile_lo + 2 * pair
+            k_ptrs, v_ptrs, _, _ = _tile_rows(K_head, V_head, table_row, tile, seq_len, stride_kb, stride_ks,
+                                              stride_vb, stride_vs, offs_d, PAGE, BLOCK_N)
+            k0 = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v0 = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            k_ptrs, v_ptrs, _, _ = _tile_rows(K_head, V_head, table_row, tile + 1, seq_len, stride_kb, stride_ks,
+                                              stride_vb, stride_vs, offs_d, PAGE, BLOCK_N)
+            k1 = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v1 = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            k0, v0 = _upcast_kv(k0, v0, q.dtype, FP8, FP16_DOTS)
+            s = _scaled(_dot(q, tl.trans(k0), None, IEEE), scale_log2, FP16_DOTS)
+            acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v0, IEEE)
+            k1, v1 = _upcast_kv(k1, v1, q.dtype, FP8, FP16_DOTS)
+            s = _scaled(_dot(q, tl.trans(k1), None, IEEE), scale_log2, FP16_DOTS)
+            acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v1, IEEE)
+        tile_lo = tile_lo + 2 * pairs
     for tile in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
-        start = tile * BLOCK_N
-        offs_n = start + tl.arange(0, BLOCK_N)
-        block = _tile_blocks(table_row, tile, seq_len, PAGE, BLOCK_N)
-        slot = offs_n % PAGE
-        k_ptrs = K_head + (block * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-        v_ptrs = V_head + (block * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+        k_ptrs, v_ptrs, offs_n, block = _tile_rows(K_head, V_head, table_row, tile, seq_len, stride_kb, stride_ks,
+                                                   stride_vb, stride_vs, offs_d, PAGE, BLOCK_N)
         if MASKED:
             live = (block >= 0) & (offs_n < seq_len)  # evicted blocks and positions past the end read as zero
             k = tl.load(k_ptrs, mask=live[:, None] & d_ok[None, :], other=0.0)
@@ -157,14 +199,7 @@ def _attend_tiles(acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, til
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
             k, v = _upcast_kv(k, v, q.dtype, FP8, FP16_DOTS)
             s = _scaled(_dot(q, tl.trans(k), None, IEEE), scale_log2, FP16_DOTS)
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, IEEE)
     return acc, m_i, l_i
 
 
@@ -188,13 +223,15 @@ def paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
     IEEE: tl.constexpr, NUM_STAGES: tl.constexpr, RELEASE_DEPENDENTS: tl.constexpr = False,
-    FP8: tl.constexpr = False, FP16_DOTS: tl.constexpr = False,
+    FP8: tl.constexpr = False, FP16_DOTS: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):
     """Grid (batch * q_tiles_per_seq, num_kv_heads, num_splits). Out/Lse are indexed [split, token, head].
 
     FP8: the caches are fp8 and K_scale/V_scale float32 (num_kv_heads,) dequantize them; else both are None.
     FP16_DOTS (fp8, bf16 queries, compiled CUDA kernels): queries scaled per row into float16 and the tiles converted
     to float16 two codes per instruction; the dots run in float16.
+
+    PAIRED: the tiles every row sees whole two per step (`_attend_tiles`).
 
     RELEASE_DEPENDENTS: let a kernel launched after this one by programmatic dependent launch (the split combine)
     start as soon as every program of this grid has started; it waits for this grid's end itself (sm_90+)."""
@@ -263,7 +300,7 @@ def paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, pos, K_head, V_head, table_row, seq_len, lo, hi,
             window_left, window_right, sink_tokens, scale_log2, stride_kb, stride_ks, stride_vb, stride_vs,
-            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2, FP8, FP16_DOTS)
+            offs_d, HEAD_DIM, PAGE, BLOCK_N, IEEE, NUM_STAGES, segment != 2, FP8, FP16_DOTS, PAIRED)
 
     # Empty rows (no visible key in this split) write output 0 and LSE -inf, never NaN.
     empty = l_i == 0.0

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ioattn.ops.cache import gather_cache, reshape_and_cache
-from ioattn.ops.paged import merge_states, paged_attention
+from ioattn.ops.paged import PagedConfig, merge_states, paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # hypothesis tests cannot take function-scoped fixtures
@@ -57,7 +57,7 @@ def reference(q, k_cache, v_cache, table, seq_lens, q_lens, **rules):
 
 
 def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head_dim=64, dtype=torch.float32,
-             num_splits=1, window_size=(-1, -1), sink_tokens=0, shared_prefix_blocks=0, gather=None):
+             num_splits=1, window_size=(-1, -1), sink_tokens=0, shared_prefix_blocks=0, gather=None, config=None):
     """Build a case, run the kernel on a NaN-poisoned output, check output and LSE; returns (out, lse)."""
     k_cache, v_cache, table = make_paged_cache(seq_lens, page=page, kv_heads=kv_heads, head_dim=head_dim,
                                                dtype=dtype, device=device, shared_prefix_blocks=shared_prefix_blocks)
@@ -69,7 +69,8 @@ def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head
     out = torch.full_like(q, float("nan"))
     rules = dict(window_size=window_size, sink_tokens=sink_tokens)
     _, lse = paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                             num_splits=num_splits, return_lse=True, out=out, gather=gather, **rules, **extra)
+                             num_splits=num_splits, return_lse=True, out=out, gather=gather, config=config, **rules,
+                             **extra)
     ref_out, ref_lse = reference(q, k_cache, v_cache, table, seq_lens, lens, **rules)
     assert lse.dtype == torch.float32
     assert lse.shape == ((len(seq_lens), heads) if decode else (heads, len(q)))
@@ -79,6 +80,18 @@ def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head
     assert err < TOLERANCE[dtype], f"output error {err:.3g}"
     assert lse_error(lse, ref_lse) < LSE_TOLERANCE[dtype]
     return out, lse
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paired_whole_tiles(device, num_splits):
+    # paired_tiles: whole tiles two per loop step, an odd last one alone; even and odd counts of whole tiles per
+    # split, empty and one-token sequences, windows and sinks (boundary tiles around the pairs), multi-token tiles.
+    config = PagedConfig(block_m=16, block_n=8, num_warps=4, num_stages=2, paired_tiles=True)
+    run_case(device, seq_lens=[8 * 6, 8 * 7 + 3, 0, 1, 8 * 2, 8 * 11], page=4, num_splits=num_splits, config=config)
+    run_case(device, seq_lens=[100, 57], page=8, window_size=(40, -1), sink_tokens=4, num_splits=num_splits,
+             config=config)
+    run_case(device, seq_lens=[90, 33], q_lens=[20, 1], page=4, heads=4, kv_heads=2, num_splits=num_splits,
+             config=PagedConfig(block_m=16, block_n=8, num_warps=4, num_stages=2, paired_tiles=True))
 
 
 @pytest.mark.parametrize("page", [1, 2, 8, 16, 64, 128, 256])

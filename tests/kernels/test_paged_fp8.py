@@ -21,7 +21,7 @@ from ioattn.kernels.paged_attention import to_fp16_by_rows, upcast_fp8_fp16
 from ioattn.ops import fp8 as fp8_ops
 from ioattn.ops.cache import copy_blocks, gather_cache, reshape_and_cache, swap_blocks
 from ioattn.ops.fp8 import dequantize, fp8_max, quantize
-from ioattn.ops.paged import compile_variants, explain_paged, paged_attention
+from ioattn.ops.paged import PagedConfig, compile_variants, explain_paged, paged_attention
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,7 +81,8 @@ def reference(q, k_cache, v_cache, table, seq_lens, q_lens, k_scale, v_scale, **
 
 
 def run_case(device, *, seq_lens, q_lens=None, page=4, group=2, kv_heads=2, head_dim=32, fp8=torch.float8_e4m3fn,
-             dtype=torch.float32, num_splits=1, window_size=(-1, -1), sink_tokens=0, gather=None, backend="auto"):
+             dtype=torch.float32, num_splits=1, window_size=(-1, -1), sink_tokens=0, gather=None, backend="auto",
+             config=None):
     k_cache, v_cache, table, k_scale, v_scale = fp8_pool(seq_lens, page=page, kv_heads=kv_heads, head_dim=head_dim,
                                                          fp8=fp8, device=device, query_dtype=dtype)
     decode = q_lens is None
@@ -93,7 +94,7 @@ def run_case(device, *, seq_lens, q_lens=None, page=4, group=2, kv_heads=2, head
     rules = dict(window_size=window_size, sink_tokens=sink_tokens)
     _, lse = paged_attention(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device),
                              num_splits=num_splits, return_lse=True, out=out, gather=gather, backend=backend,
-                             k_scale=k_scale, v_scale=v_scale, **rules, **extra)
+                             config=config, k_scale=k_scale, v_scale=v_scale, **rules, **extra)
     ref_out, ref_lse = reference(q, k_cache, v_cache, table, seq_lens, lens, k_scale, v_scale, **rules)
     if decode:
         ref_lse = ref_lse.t()
@@ -356,6 +357,8 @@ def test_fp8_bf16_queries_on_gpu(fp8, heads, kv_heads, head_dim, page):
                   dtype=torch.bfloat16)
     for splits in (0, 1, 7):
         run_case("cuda", seq_lens=seq_lens, num_splits=splits, **common)
+        run_case("cuda", seq_lens=seq_lens, num_splits=splits, config=PagedConfig(
+            block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=128, paired_tiles=True), **common)
     run_case("cuda", seq_lens=seq_lens, q_lens=[300, 17, 0, 1, 513], window_size=(256, -1), sink_tokens=4, **common)
     for gather in (True, False):
         run_case("cuda", seq_lens=[4096, 17, 0, 2048], q_lens=[2048, 17, 0, 1], gather=gather, **common)
