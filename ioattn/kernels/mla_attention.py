@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from ioattn.kernels.paged_attention import LN2, _dot, _tile_blocks
+from ioattn.kernels.paged_attention import LN2, _dot, _online_softmax, _tile_blocks
 
 
 @triton.jit
@@ -41,13 +41,7 @@ def _latent_tiles(acc, m_i, l_i, q_latent, q_rope, pos, Cache, table_row, seq_le
         s = _dot(q_latent, tl.trans(latent), None, IEEE)
         s = _dot(q_rope, tl.trans(k_rope), s, IEEE) * scale_log2
         s = tl.where(live[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _dot(p.to(latent.dtype), latent, acc * alpha[:, None], IEEE)
-        m_i = m_new
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, latent, IEEE)
     return acc, m_i, l_i
 
 
