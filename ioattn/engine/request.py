@@ -27,6 +27,8 @@ class Request:
     beam: BeamSearch | None = None
     # Beam search: each running beam's next-token logits, kept until every beam of the request has its row.
     pending_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # output_kind "delta": per sample index, the output tokens and text characters its outputs have held so far.
+    sent: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def forked(self) -> bool:
@@ -43,20 +45,26 @@ class Request:
 
 
 def request_output(request: Request, finished: bool, tokenizer) -> RequestOutput:
-    """The request's whole output so far (vLLM's cumulative outputs)."""
+    """The request's whole output so far (vLLM's cumulative outputs), or with output_kind "delta" what is new since
+    its last output."""
     if request.beam is not None:
         return _beam_output(request, tokenizer)
+    delta = request.params.output_kind == "delta"  # else cumulative (final_only is cumulative, built once)
+    with_logprobs = request.params.logprobs is not None
     completions = []
     for seq in request.seqs:
         checker = request.checkers[seq.index]
+        text = checker.text if seq.is_finished else checker.stable_text
+        # The checker holds exactly the sequence's outputs that have reached the host: copying them skips the
+        # prompt and any token still on its way.
+        tokens = checker.output_token_ids
+        first = first_char = 0
+        if delta:
+            first, first_char = request.sent.get(seq.index, (0, 0))
+            request.sent[seq.index] = (len(tokens), len(text))
         completions.append(CompletionOutput(
-            index=seq.index,
-            text=checker.text if seq.is_finished else checker.stable_text,
-            # The checker holds exactly the sequence's outputs that have reached the host: copying them skips
-            # the prompt and any token still on its way.
-            token_ids=checker.output_token_ids[:],
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.logprobs) if request.params.logprobs is not None else None,
+            index=seq.index, text=text[first_char:], token_ids=tokens[first:],
+            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs[first:] if with_logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         ))

@@ -33,7 +33,7 @@ from ioattn.engine.transfer import to_device
 # Temperatures below this are greedy (vLLM's threshold): dividing by them would only overflow.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 # torch.Generator.manual_seed takes [-2**63, 2**64); sample i of a request draws from seed + i.
 SEED_RANGE = (-(2**63), 2**64)
 # Beam scores divide by length ** length_penalty: within this bound it is a finite, non-zero float for every
@@ -72,9 +72,11 @@ class _StopParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # vLLM's RequestOutputKind: "cumulative" (an output after every step that made progress, everything so far)
-    # or "final_only" (one output, once the request has finished: what LLM.generate reads; the engine then
-    # builds no other).
+    # vLLM's RequestOutputKind: "cumulative" (an output after every step that made progress, everything so far),
+    # "delta" (the same outputs, each holding only what is new since the last: token ids, logprobs and text; what
+    # the server's engine process streams, copying no sample's whole history at every step; sampling only) or
+    # "final_only" (one output, once the request has finished: what LLM.generate reads; the engine then builds no
+    # other).
     output_kind: str = "cumulative"
 
     def __post_init__(self):
@@ -167,6 +169,8 @@ class BeamSearchParams(_StopParams):
         _require(isinstance(self.early_stopping, bool) or self.early_stopping == "never", "early_stopping",
                  'False, True or "never"', self.early_stopping)
         _require(not self.stop, "stop", "empty for beam search (use stop_token_ids)", self.stop)
+        _require(self.output_kind != "delta", "output_kind", '"cumulative" or "final_only" for beam search (beams '
+                 "are re-ranked every step: a delta has no meaning)", self.output_kind)
 
 
 @dataclass

@@ -19,6 +19,7 @@ SIGTERM to the whole process group reaches the HTTP process, which drains its re
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -152,7 +153,6 @@ class EngineCore:
         self.decoder = wire.decoder(wire.ToEngine)
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
-        self.sent: dict[str, dict[int, int]] = {}  # per request, per sample: tokens sent so far
         self.accepted: list[str] = []
         self.refused: list[wire.Refused] = []
         self.state_changed = False
@@ -191,10 +191,11 @@ class EngineCore:
         engine = self.engine
         for request_id in inputs.aborts:
             engine.abort_request(request_id)
-            self.sent.pop(request_id, None)
         for add in inputs.adds:
             try:
-                engine.add_request(add.request_id, params=add.params, prompt_token_ids=add.prompt_token_ids,
+                # Deltas: each step's outputs hold only the new tokens, which is all this process sends.
+                params = dataclasses.replace(add.params, output_kind="delta")
+                engine.add_request(add.request_id, params=params, prompt_token_ids=add.prompt_token_ids,
                                    arrival_time=add.arrival_time)
             except ValueError as error:
                 self.refused.append(wire.Refused(add.request_id, str(error), invalid=True))
@@ -204,7 +205,6 @@ class EngineCore:
                 self.refused.append(wire.Refused(add.request_id, f"the engine could not take this request: "
                                                  f"{error!r}", invalid=False))
                 continue
-            self.sent[add.request_id] = {}
             self.accepted.append(add.request_id)
         self.state_changed = True
 
@@ -218,7 +218,6 @@ class EngineCore:
             failed = []
             for request_id in list(engine.requests):
                 failed.append(wire.Refused(request_id, message, invalid=False))
-                self.sent.pop(request_id, None)
                 try:
                     engine.abort_request(request_id)
                 except Exception:  # keep failing the others: the loop must outlive a broken engine
@@ -233,19 +232,13 @@ class EngineCore:
             self._send(wire.Outputs(deltas=deltas, state=self._state() if due else None))
 
     def _delta(self, output) -> wire.RequestDelta:
-        sent = self.sent.get(output.request_id, {})
         samples = []
         for completion in output.outputs:
-            start = sent.get(completion.index, 0)
-            tokens = completion.token_ids[start:]
-            if not tokens and not completion.finished:
+            if not completion.token_ids and not completion.finished:
                 continue
-            sent[completion.index] = start + len(tokens)
             stop_reason = completion.stop_reason if isinstance(completion.stop_reason, int) else None
-            samples.append(wire.SampleDelta(completion.index, tokens, None if completion.logprobs is None else
-                                            completion.logprobs[start:], completion.finish_reason, stop_reason))
-        if output.finished:
-            self.sent.pop(output.request_id, None)
+            samples.append(wire.SampleDelta(completion.index, completion.token_ids, completion.logprobs,
+                                            completion.finish_reason, stop_reason))
         metrics = output.metrics
         return wire.RequestDelta(output.request_id, samples, output.finished, metrics.first_token_time,
                                  metrics.finished_time, metrics.num_preemptions, output.error)

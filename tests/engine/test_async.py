@@ -230,4 +230,37 @@ def test_final_only_outputs_are_the_last_cumulative_ones():
     assert {output.request_id: completions(output) for output in seen} == expected
     assert_all_free(engine)
     with pytest.raises(ValueError, match="output_kind"):
-        SamplingParams(output_kind="delta")
+        SamplingParams(output_kind="all")
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones():
+    """output_kind="delta" (what the server's engine process streams): after every step, outputs for the same
+    requests as "cumulative", each holding only what is new (token ids, logprobs, text: stop strings' hold-back
+    included); joined, they are the cumulative ones. Beam search refuses it."""
+    requests = {f"d{i}": (prompt(5 + i, 60 + i), SamplingParams(
+        temperature=1.0, seed=i, max_tokens=4 + 3 * i, n=1 + i % 2, logprobs=i % 2 or None,
+        stop=["\ufffd\ufffd", "xyz"] if i % 3 else None, include_stop_str_in_output=i == 4)) for i in range(6)}
+    engines = {kind: make_engine(model=model(), async_scheduling=True) for kind in ("cumulative", "delta")}
+    for kind, engine in engines.items():
+        for request_id, (ids, params) in requests.items():
+            engine.add_request(request_id, prompt_token_ids=ids, params=SamplingParams(**{**vars(params),
+                                                                                        "output_kind": kind}))
+    joined: dict[tuple[str, int], list] = {}
+    for _ in range(100):
+        cumulative, delta = (engines[kind].step() for kind in ("cumulative", "delta"))
+        assert [output.request_id for output in delta] == [output.request_id for output in cumulative]
+        for whole, new in zip(cumulative, delta):
+            assert (new.finished, new.error) == (whole.finished, whole.error)
+            for c, d in zip(whole.outputs, new.outputs, strict=True):
+                so_far = joined.setdefault((new.request_id, d.index), [[], "", []])
+                so_far[0] += d.token_ids
+                so_far[1] += d.text
+                so_far[2] += d.logprobs or []
+                assert so_far == [c.token_ids, c.text, c.logprobs or []]
+                assert (d.index, d.finish_reason, d.stop_reason) == (c.index, c.finish_reason, c.stop_reason)
+        if not engines["cumulative"].has_unfinished_requests():
+            break
+    assert not engines["delta"].has_unfinished_requests()
+    assert {request_id for request_id, _ in joined} == set(requests)
+    with pytest.raises(ValueError, match="output_kind"):
+        BeamSearchParams(beam_width=2, output_kind="delta")

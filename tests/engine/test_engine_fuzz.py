@@ -296,6 +296,7 @@ BAD_FIELDS = {
 BAD_BEAM_FIELDS = {
     "beam_width": [0, 1.5, None, True], "n": [0, 3], "length_penalty": [math.nan, math.inf, 17, -100, 10**400, "1"],
     "early_stopping": ["sometimes", 1, None], "stop": ["x", ["x"]], "max_tokens": [0, -1],
+    "output_kind": ["delta"],
 }
 # Valid values that this engine cannot serve, found at add_request.
 UNSERVABLE = {"n": [MAX_NUM_SEQS + 1, 2**70], "stop_token_ids": [[VOCAB], [1, 2**70]]}
