@@ -231,7 +231,7 @@ class Server:
         try:
             async for prompt_index, output in submission.outputs():
                 for chunk in formatter.chunks(output, prompt_index):
-                    yield _sse(chunk)
+                    yield f"data: {chunk}\n\n"
             usage_chunk = formatter.usage_chunk()
             if usage_chunk is not None:
                 yield _sse(usage_chunk)

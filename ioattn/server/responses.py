@@ -10,11 +10,16 @@ Logprob tokens are their decoded text, which two tokens can share (bytes of one 
 decode to U+FFFD): every entry is kept. A completions `top_logprobs` dict cannot hold one key twice, so a token
 whose text an earlier entry of its position already took is written `token_id:N`, the spelling vLLM's
 `return_tokens_as_token_ids` uses, which (accepted here too) writes every token that way.
+
+Streaming chunks are JSON text. A chunk without logprobs (every token's chunk, at thousands a second) is written
+into the request's own frame, the bytes pydantic would write for the chunk's model, without building the model:
+pydantic's validation and serialization cost more than everything else of the chunk.
 """
 
 from __future__ import annotations
 
 import time
+from json.encoder import encode_basestring
 
 from pydantic import BaseModel
 
@@ -34,6 +39,10 @@ class Formatter:
         self.sent_tokens = [0] * choices
         self.finished = [False] * choices
         self.latest: list[RequestOutput | None] = [None] * len(prompt_lengths)
+        # The JSON of this request's chunk with no choices, split where a choice goes (see `chunk_json`).
+        empty = self.chunk_model([]).model_dump_json()
+        head, tail = empty.split('"choices":[]')
+        self.chunk_head, self.chunk_tail = head + '"choices":[', "]" + tail
 
     def decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -52,8 +61,9 @@ class Formatter:
         generated = sum(len(c.token_ids) for output in self.latest if output is not None for c in output.outputs)
         return api.Usage(prompt_tokens=prompt, completion_tokens=generated, total_tokens=prompt + generated)
 
-    def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[BaseModel]:
-        """The chunks that carry what `output` (the request of prompt `prompt_index`) adds to what was sent."""
+    def chunks(self, output: RequestOutput, prompt_index: int = 0) -> list[str]:
+        """The chunks (JSON) that carry what `output` (the request of prompt `prompt_index`) adds to what was
+        sent."""
         self.latest[prompt_index] = output
         chunks = []
         for completion in output.outputs:
@@ -63,7 +73,7 @@ class Formatter:
             text = completion.text[len(self.sent_text[i]):]
             first, last = self.sent_tokens[i], len(completion.token_ids)
             if text or last > first or completion.finished:
-                chunks.append(self.chunk(i, completion, text, first, last))
+                chunks.append(self.chunk_json(i, completion, text, first, last))
             self.sent_text[i], self.sent_tokens[i] = completion.text, last
             self.finished[i] = completion.finished
         return chunks
@@ -76,7 +86,21 @@ class Formatter:
     def usage_chunk(self) -> BaseModel | None:
         raise NotImplementedError
 
+    def chunk_json(self, choice: int, completion: CompletionOutput, text: str, first: int, last: int) -> str:
+        """`chunk(...).model_dump_json()`, written directly when there are no logprobs."""
+        if self.logprobs is not None:
+            return self.chunk(choice, completion, text, first, last).model_dump_json()
+        return f"{self.chunk_head}{self.choice_json(choice, completion, text, first)}{self.chunk_tail}"
+
+    def chunk_model(self, choices: list) -> BaseModel:
+        """A streaming chunk of this request holding `choices`."""
+        raise NotImplementedError
+
     def chunk(self, choice: int, completion: CompletionOutput, text: str, first: int, last: int) -> BaseModel:
+        raise NotImplementedError
+
+    def choice_json(self, choice: int, completion: CompletionOutput, text: str, first: int) -> str:
+        """The JSON of `chunk`'s one choice, when there are no logprobs."""
         raise NotImplementedError
 
     def response(self, outputs: list[RequestOutput]) -> BaseModel:
@@ -85,6 +109,10 @@ class Formatter:
 
 def _finish_reason(completion: CompletionOutput) -> str | None:
     return completion.finish_reason if completion.finish_reason != "abort" else None
+
+
+def _json_or_null(text: str | None) -> str:
+    return "null" if text is None else encode_basestring(text)
 
 
 class CompletionFormatter(Formatter):
@@ -117,7 +145,14 @@ class CompletionFormatter(Formatter):
             self.text_offsets[choice] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         body = api.CompletionChoice(index=choice, text=text, finish_reason=_finish_reason(completion),
                                     logprobs=logprobs)
-        return api.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[body])
+        return self.chunk_model([body])
+
+    def chunk_model(self, choices):
+        return api.CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
+
+    def choice_json(self, choice, completion, text, first):
+        return (f'{{"index":{choice},"text":{encode_basestring(text)},"logprobs":null,'
+                f'"finish_reason":{_json_or_null(_finish_reason(completion))}}}')
 
     def usage_chunk(self):
         if not self.include_usage or not any(self.latest):
@@ -159,7 +194,15 @@ class ChatFormatter(Formatter):
         delta = api.DeltaMessage(role="assistant" if first == 0 else None, content=text)
         body = api.ChatChunkChoice(index=choice, delta=delta, finish_reason=_finish_reason(completion),
                                    logprobs=self.logprobs_between(completion, first, last))
-        return api.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[body])
+        return self.chunk_model([body])
+
+    def chunk_model(self, choices):
+        return api.ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+
+    def choice_json(self, choice, completion, text, first):
+        role = '"assistant"' if first == 0 else "null"
+        return (f'{{"index":{choice},"delta":{{"role":{role},"content":{encode_basestring(text)}}},'
+                f'"logprobs":null,"finish_reason":{_json_or_null(_finish_reason(completion))}}}')
 
     def usage_chunk(self):
         if not self.include_usage or not any(self.latest):
