@@ -387,9 +387,8 @@ class EngineClient:
             stream = streams.get(delta.request_id)
             if stream is None:
                 continue  # aborted while the engine ran its step
-            generated += sum(len(sample.token_ids) for sample in delta.samples)
             text = stream.text
-            text.apply(delta)
+            generated += text.apply(delta)
             if text.error is not None:
                 del streams[delta.request_id]
                 stream.fail(ValueError(text.error))

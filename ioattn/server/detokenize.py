@@ -30,20 +30,25 @@ class RequestText:
         self.ended: list[tuple[str, int | None] | None] = [None] * params.n
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.error: str | None = None
+        self.finished = False  # every sample has ended, here or in the engine
 
-    def apply(self, delta: RequestDelta) -> None:
-        """Take the engine's new tokens for this request."""
+    def apply(self, delta: RequestDelta) -> int:
+        """Take the engine's new tokens for this request; return how many the engine generated (those dropped here
+        after a stop string included)."""
+        generated = 0
         for sample in delta.samples:
-            checker, logprobs = self.checkers[sample.index], self.logprobs[sample.index]
-            if self._ended(sample.index):
+            index, tokens = sample.index, sample.token_ids
+            generated += len(tokens)
+            checker, logprobs = self.checkers[index], self.logprobs[index]
+            if self._ended(index):
                 continue  # it met a stop string here; the engine runs it on with its siblings
-            for position, token in enumerate(sample.token_ids):
+            for position, token in enumerate(tokens):
                 if logprobs is not None:
                     logprobs.append(sample.logprobs[position])
                 if checker.append(token) is not None:
                     break
             if sample.finish_reason is not None and not checker.finished:
-                self.ended[sample.index] = (sample.finish_reason, sample.stop_reason)
+                self.ended[index] = (sample.finish_reason, sample.stop_reason)
         if delta.finished:  # the engine is done with every sample, whatever this side made of them
             for index in range(len(self.checkers)):
                 if not self._ended(index):
@@ -56,13 +61,12 @@ class RequestText:
             metrics.finished_time = delta.finished_time
         if delta.error is not None:
             self.error = delta.error
+        # Only this method ends samples: kept, not recounted by every reader.
+        self.finished = all(self._ended(index) for index in range(len(self.checkers)))
+        return generated
 
     def _ended(self, index: int) -> bool:
         return self.checkers[index].finished or self.ended[index] is not None
-
-    @property
-    def finished(self) -> bool:
-        return all(self._ended(index) for index in range(len(self.checkers)))
 
     def output(self) -> RequestOutput:
         """The request's whole output so far. Its lists are this object's own, still growing: read them before the
