@@ -12,14 +12,21 @@ CPU, one step of 256 sequences in a few ms) so that the serving path is what cos
 
 Reported: output tok/s of both and their ratio, and CPU µs per output token of each process (the HTTP process and
 the engine process from /proc through psutil, the client from `time.process_time`). On a 2-core machine shared by
-three busy processes the wall-clock ratio is pessimistic; the per-token CPU figures are what carry over to a host
-with a core per process. `--profile DIR` runs the server twice more under cProfile (HTTP process, then engine
-process) and writes the top functions by own time.
+three busy processes the wall-clock ratio is pessimistic and noisy, and CPU time itself inflates with a
+neighbour's load; the per-token CPU figures are what carry over to a host with a core per process. `--profile DIR`
+runs the server three more times under cProfile (CPU-time clock: HTTP process, engine process, client) and writes
+the top functions by own time.
 
-    PYTHONPATH=. python3 lab/server_overhead_cpu.py [--requests 256] [--output-len 256] [--profile DIR]
-        [--out bench/results/<date>-server-overhead-cpu]
+`--host-paths` measures instead each host path alone in this process, with no sockets and no process competing
+(steadier; see `host_paths`): the offline engine, the engine process's loop on the same engine, and the HTTP
+process's handling of what that loop sent (uvicorn, starlette and the sockets left out).
 
-writes OUT.json and OUT.md (with the disclosure: machine, versions, commit, command). ~1-2 minutes on two cores.
+    PYTHONPATH=. python3 lab/server_overhead_cpu.py [--requests 256] [--output-len 256] [--repeat 3]
+        [--host-paths] [--profile DIR] [--out bench/results/<date>-server-overhead-cpu]
+
+writes OUT.json and OUT.md (with the disclosure: machine, versions, commit, command). ~1 minute per repeat on two
+cores. To compare commits, put each one's package in a folder (`git archive <commit> ioattn | tar -x -C DIR`) and
+run this script with PYTHONPATH=DIR, alternating the folders (the script only uses names every compared commit has).
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ def _profile_until_exit(path: str) -> None:
     import atexit
     import cProfile
 
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU time: a process descheduled in a call is not charged
     profiler.enable()
     atexit.register(lambda: (profiler.disable(), profiler.dump_stats(path)))
 
@@ -192,7 +199,7 @@ def run_server(args, profile_http: str | None = None, profile_engine: str | None
         if profile_client:
             import cProfile
 
-            profiler = cProfile.Profile()
+            profiler = cProfile.Profile(time.process_time)
             profiler.enable()
         results, duration = asyncio.run(_drive(url, MODEL_NAME, work, float("inf"), None, 0.0, 0, {}))
         if profile_client:
@@ -208,6 +215,123 @@ def run_server(args, profile_http: str | None = None, profile_engine: str | None
     return {"output_tokens_per_s": summary["output_tokens_per_s"], "duration_s": duration, "output_tokens": tokens,
             "median_ttft_ms": summary["median_ttft_ms"],
             "cpu_us_per_token": {name: 1e6 * (after[name] - before[name]) / tokens for name in before}}
+
+
+# -- the two host paths alone, in this process -------------------------------------------------------------------
+
+
+class _Sink:
+    """A socket that keeps what is sent through it."""
+
+    def __init__(self):
+        self.frames = []
+
+    def send(self, frame, copy=True):
+        self.frames.append(bytes(frame))
+
+
+def engine_core_path(engine, work) -> tuple[float, list[bytes]]:
+    """CPU seconds of the engine process's loop over `work` (`EngineCore` adding every request, then stepping and
+    encoding each step's outputs, as its `run` does), and the frames it sent."""
+    import zmq
+
+    from ioattn.engine.sampling import SamplingParams
+    from ioattn.server import transport as wire
+    from ioattn.server.core import EngineCore
+
+    context = zmq.Context()
+    inputs, sink = context.socket(zmq.PULL), _Sink()
+    try:
+        core = EngineCore(engine, inputs, sink)
+        tokenizer, engine.tokenizer = engine.tokenizer, None  # the engine process has none
+        adds = [wire.AddRequest(f"req-{i}", item.prompt_token_ids, SamplingParams(
+                max_tokens=item.output_len, ignore_eos=True, temperature=0.0), time.monotonic())
+                for i, item in enumerate(work)]
+        cpu = time.process_time()
+        core._apply(wire.Inputs(adds=adds, aborts=[]))
+        core._send(wire.Outputs(accepted=core.accepted, refused=core.refused))
+        while engine.has_unfinished_requests():
+            core._step()
+        cpu = time.process_time() - cpu
+        engine.tokenizer = tokenizer
+    finally:
+        inputs.close(linger=0)
+        context.term()
+    return cpu, sink.frames
+
+
+async def http_path(frames: list[bytes], work) -> float:
+    """CPU seconds of the HTTP process's handling of `frames` (what `engine_core_path` sent for `work`): one
+    submission per request, the engine client applying each message (detokenizing, stop checks, metrics), every
+    request's SSE generator formatting its chunks. uvicorn, starlette and the sockets are not in it."""
+    from ioattn.models.tokenizer import ByteTokenizer
+    from ioattn.server import transport as wire
+    from ioattn.server.app import Server
+    from ioattn.server.chat_template import ChatTemplate
+    from ioattn.server.client import EngineClient
+    from ioattn.server.metrics import ServerMetrics
+    from ioattn.server.responses import CompletionFormatter
+    from ioattn.server.security import ServerLimits
+
+    tokenizer = ByteTokenizer()
+    client = EngineClient(MicroSpec(MODEL_NAME), tokenizer, ServerMetrics(), max_queued_requests=2 * len(work))
+    client.loop, client.state, client.to_engine = asyncio.get_running_loop(), "ready", _Sink()
+    client.info = wire.EngineInfo(model=MODEL_NAME, dtype="float32", device="cpu", vocab_size=512,
+                                  max_model_len=MAX_MODEL_LEN, max_num_seqs=len(work), eos_token_ids=[257],
+                                  block_size=16, num_blocks=1, kv_cache_bytes=0, cache_dtype=None,
+                                  attention_backend="torch", tensor_parallel_size=1, pid=0)
+    server = Server(client, MODEL_NAME, ChatTemplate.plain(), tokenizer, ServerLimits())
+    decoder = wire.decoder(wire.FromEngine)
+    streamed = [0]
+
+    async def listen(submission, formatter):
+        async for event in server._events(submission, formatter):
+            streamed[0] += len(event)
+
+    from ioattn.engine.sampling import SamplingParams
+
+    cpu = time.process_time()
+    listeners = []
+    for i, item in enumerate(work):
+        params = SamplingParams(max_tokens=item.output_len, ignore_eos=True, temperature=0.0)
+        submission = client.submit([(item.prompt_token_ids, params)])
+        formatter = CompletionFormatter(f"cmpl-{i}", MODEL_NAME, tokenizer, [len(item.prompt_token_ids)], 1, None,
+                                        True)
+        listeners.append(asyncio.ensure_future(listen(submission, formatter)))
+    for frame in frames:
+        client._handle(decoder.decode(frame))
+        await asyncio.sleep(0)  # every handler woken by this message formats its chunks
+    await asyncio.gather(*listeners)
+    cpu = time.process_time() - cpu
+    assert streamed[0] > 0
+    return cpu
+
+
+def host_paths(args) -> dict:
+    """CPU µs per output token of each host path alone, in this process, alternating over `--repeat` rounds (the
+    minimum of each: the least disturbed by a neighbour): the offline engine (`run_engine`), the engine process's
+    loop on the same engine, and the HTTP process's handling of what that loop sent."""
+    from ioattn.bench.serve_offline import Pacing, run_engine
+    from ioattn.bench.workload import make_workload
+
+    engine = MicroSpec(MODEL_NAME, engine_config(args.requests)).build()
+    warmup = make_workload(16, (4, 32), (4, 8), seed=1)
+    run_engine(engine, warmup, 0.0, Pacing.all_at_once(warmup))
+    rounds = []
+    for round_ in range(args.repeat):
+        # Fresh prompts for every run: none is found in the prefix cache from an earlier one.
+        offline_work, core_work = (make_workload(args.requests, tuple(args.input_len), (args.output_len,) * 2,
+                                                 seed=100 + 2 * round_ + k) for k in (0, 1))
+        cpu = time.process_time()
+        run_engine(engine, offline_work, 0.0, Pacing.all_at_once(offline_work))
+        offline = time.process_time() - cpu
+        core, frames = engine_core_path(engine, core_work)
+        http = asyncio.run(http_path(frames, core_work))
+        tokens = sum(item.output_len for item in core_work)
+        rounds.append({"offline_engine": offline, "engine_process": core, "http_process": http})
+        rounds[-1] = {name: 1e6 * value / tokens for name, value in rounds[-1].items()}
+        print(json.dumps(rounds[-1]), file=sys.stderr)
+    return {"rounds": rounds, **{name: min(r[name] for r in rounds) for name in rounds[0]}}
 
 
 def top_functions(path: str, count: int = 25) -> list[dict]:
@@ -271,6 +395,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 128))
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each (medians are reported)")
+    parser.add_argument("--host-paths", action="store_true",
+                        help="instead: each host path alone in this process (see host_paths)")
     parser.add_argument("--profile", help="a folder: profile the HTTP and engine processes in two more runs")
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the HTTP process, on this port
@@ -282,6 +408,13 @@ def main() -> None:
         return
     result = {"settings": {"requests": args.requests, "input_len": list(args.input_len),
                            "output_len": args.output_len}, "disclosure": disclosure()}
+    if args.host_paths:
+        result["host_paths"] = host_paths(args)
+        print(json.dumps({k: v for k, v in result["host_paths"].items() if k != "rounds"}), file=sys.stderr)
+        if args.out:
+            with open(args.out + ".json", "w") as f:
+                json.dump(result, f, indent=2)
+        return
     # The runs alternate (offline, server, offline, ...) so that a neighbour's load on the shared cores falls on
     # both alike; each figure reported is the median over the repeats.
     runs = []
