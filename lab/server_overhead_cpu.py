@@ -27,6 +27,8 @@ process's handling of what that loop sent (uvicorn, starlette and the sockets le
 writes OUT.json and OUT.md (with the disclosure: machine, versions, commit, command). ~1 minute per repeat on two
 cores. To compare commits, put each one's package in a folder (`git archive <commit> ioattn | tar -x -C DIR`) and
 run this script with PYTHONPATH=DIR, alternating the folders (the script only uses names every compared commit has).
+Beyond the benchmark hooks it reaches into private names (`serve_online._drive`, `EngineCore._apply/_step/_send`,
+`EngineClient._handle`, `Server._events`): the paths it measures have no public handle; a rename breaks it.
 """
 
 from __future__ import annotations
