@@ -17,7 +17,7 @@ query's dtype, or (FP16_DOTS, bf16 queries on CUDA) to float16, two codes per in
 into float16 by a power of two per row (`to_fp16_by_rows`) and the dots run in float16. Triton converts fp8 to bf16
 through float32, an F2F per element; an integer fp8 -> bf16 upcast still cost 3 instructions per cached element
 against 0.5 for the conversion to float16 (lab/aot.py --sass: 741 -> 415 per thread per 64-key tile; H100 decode
-5% faster than the integer upcast, 15% than Triton's bf16 conversion, bench/results/2026-12-06-fp8-fp16-dots-h100).
+4-6% faster than the integer upcast, 17-21% than Triton's bf16 conversion, bench/results/2026-12-06-fp8-fp16-dots-h100).
 The dequantization scales, one per KV head (the program's), cost two scalar loads: the K scale multiplies the
 softmax scale, the V scale the normalised output (partials included: the merge is linear), so the kernel computes
 attention over the dequantized cache with no rounding of its own beyond the usual (float16 keeps 3 more bits of
