@@ -23,7 +23,7 @@ from ioattn.bench.workload import Result, WorkItem, arrival_offsets, summarize
 # -- the server run ------------------------------------------------------------------------------------------
 
 
-async def _one_request(client, url: str, model: str, item: WorkItem, temperature: float,
+async def _one_request(session, url: str, model: str, item: WorkItem, temperature: float,
                        headers: dict) -> Result:
     prompt = item.prompt if item.prompt is not None else item.prompt_token_ids
     body = {"model": model, "prompt": prompt, "max_tokens": item.output_len, "stream": True,
@@ -31,24 +31,27 @@ async def _one_request(client, url: str, model: str, item: WorkItem, temperature
     start = time.perf_counter()
     ttft, tokens, last, gaps = None, 0, None, []
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as response:
-            if response.status_code != 200:
-                return Result(False, error=f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    return Result(False, error=str(chunk["error"].get("message")))
-                if chunk.get("choices"):
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - start
-                    else:
-                        gaps.append(now - last)
-                    last = now
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                return Result(False, error=f"HTTP {response.status}: {(await response.read())[:200]!r}")
+            pending = b""
+            async for piece in response.content.iter_any():  # the bytes that arrived, split into SSE lines
+                *lines, pending = (pending + piece).split(b"\n")
+                for line in lines:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    chunk = json.loads(line[len(b"data: "):])
+                    if "error" in chunk:
+                        return Result(False, error=str(chunk["error"].get("message")))
+                    if chunk.get("choices"):
+                        now = time.perf_counter()
+                        if ttft is None:
+                            ttft = now - start
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
     except Exception as error:  # a failed request is counted and reported, the run goes on
         return Result(False, error=f"{type(error).__name__}: {error}")
     latency = time.perf_counter() - start
@@ -57,17 +60,21 @@ async def _one_request(client, url: str, model: str, item: WorkItem, temperature
 
 async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float, concurrency: int | None,
                  temperature: float, seed: int, headers: dict) -> tuple[list[Result], float]:
-    import httpx
+    # aiohttp, as vLLM's benchmark client: httpx's pool rescans every connection as each request starts and ends
+    # and its parser costs ~55 µs of client CPU per chunk at 256 streams, so the client fell behind the server it
+    # measured (bench/results/2026-12-06-server-overhead-cpu.md).
+    import aiohttp
 
     limit = concurrency or len(work)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=60), limits=limits) as client:
-        await _one_request(client, url, model, WorkItem([1, 2, 3, 4], 4), temperature, headers)  # warm-up
+    connector = aiohttp.TCPConnector(limit=limit)
+    timeout = aiohttp.ClientTimeout(total=None, connect=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await _one_request(session, url, model, WorkItem([1, 2, 3, 4], 4), temperature, headers)  # warm-up
         gate = asyncio.Semaphore(limit)
 
         async def run(item: WorkItem) -> Result:
             async with gate:
-                return await _one_request(client, url, model, item, temperature, headers)
+                return await _one_request(session, url, model, item, temperature, headers)
 
         start = time.perf_counter()
         tasks = []

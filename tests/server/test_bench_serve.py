@@ -2,12 +2,13 @@
 numbers themselves are not checked: unit tests never time anything); its datasets and flags."""
 
 import argparse
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
-from ioattn.bench import datasets, serve, workload
+from ioattn.bench import datasets, serve, serve_online, workload
 from ioattn.models.tokenizer import ByteTokenizer
 
 from server_helpers import MAX_MODEL_LEN
@@ -43,6 +44,17 @@ def test_bench_against_live_server_and_offline(live_server, tmp_path):
     assert result["server"]["server_counters"]["generation_tokens_total"] == 18 + 4  # + the warm-up request
     assert result["server_over_offline"] > 0
     assert result["disclosure"]["command"].startswith("ioattn bench serve")
+
+
+def test_bench_client_records_refused_requests_and_streams_the_rest(live_server):
+    # The streaming client (aiohttp): a request the server refuses is a failed result naming the status; accepted
+    # ones stream to completion.
+    work = workload.make_workload(3, (4, 6), (2, 2), seed=1)
+    results, _ = asyncio.run(serve_online._drive(live_server.url, "no-such-model", work, float("inf"), None, 0.0, 0,
+                                                 {}))
+    assert all(not r.ok and r.error.startswith("HTTP 404") for r in results)
+    results, _ = asyncio.run(serve_online._drive(live_server.url, "tiny", work, float("inf"), 2, 0.0, 0, {}))
+    assert all(r.ok and r.output_tokens == 2 and r.ttft > 0 for r in results)
 
 
 SHAREGPT = Path(__file__).parents[1] / "data" / "sharegpt_sample.json"
