@@ -86,12 +86,20 @@ def run_case(device, *, seq_lens, q_lens=None, page=4, heads=4, kv_heads=2, head
 def test_paired_whole_tiles(device, num_splits):
     # paired_tiles: whole tiles two per loop step, an odd last one alone; even and odd counts of whole tiles per
     # split, empty and one-token sequences, windows and sinks (boundary tiles around the pairs), multi-token tiles.
-    config = PagedConfig(block_m=16, block_n=8, num_warps=4, num_stages=2, paired_tiles=True)
-    run_case(device, seq_lens=[8 * 6, 8 * 7 + 3, 0, 1, 8 * 2, 8 * 11], page=4, num_splits=num_splits, config=config)
-    run_case(device, seq_lens=[100, 57], page=8, window_size=(40, -1), sink_tokens=4, num_splits=num_splits,
+    config = PagedConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, paired_tiles=True)
+    run_case(device, seq_lens=[16 * 6, 16 * 7 + 3, 0, 1, 16 * 2, 16 * 11], page=4, num_splits=num_splits,
              config=config)
-    run_case(device, seq_lens=[90, 33], q_lens=[20, 1], page=4, heads=4, kv_heads=2, num_splits=num_splits,
-             config=PagedConfig(block_m=16, block_n=8, num_warps=4, num_stages=2, paired_tiles=True))
+    run_case(device, seq_lens=[200, 57], page=32, window_size=(80, -1), sink_tokens=4, num_splits=num_splits,
+             config=config)
+    run_case(device, seq_lens=[180, 33], q_lens=[20, 1], page=4, heads=4, kv_heads=2, num_splits=num_splits,
+             config=config)
+
+
+def test_paged_config_refuses_what_the_kernel_cannot_build():
+    for bad in (dict(block_n=48), dict(block_n=8), dict(block_m=512), dict(num_warps=3), dict(num_stages=0),
+                dict(maxnreg=16), dict(maxnreg=128.0), dict(paired_tiles="yes"), dict(block_n=True)):
+        with pytest.raises(ValueError, match=f"PagedConfig.{next(iter(bad))}"):
+            PagedConfig(**bad)
 
 
 @pytest.mark.parametrize("page", [1, 2, 8, 16, 64, 128, 256])
