@@ -19,6 +19,7 @@ from ioattn.kernels.prefill_bwd import (
 )
 from ioattn.kernels.prefill_fwd import MASK_ADDITIVE, MASK_BOOL, MASK_NONE
 from ioattn.ops.capability import HOPPER, SIXTEEN_BIT
+from ioattn.ops.launch_config import check_launch_config
 from ioattn.ops.forward import ensure_allocator, head_dim_padded
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,6 +44,9 @@ class BwdConfig:
     atomic_dq: bool  # fuse dQ into the dK/dV kernel with fp32 atomics (ignored when deterministic)
     dq_num_warps: int | None = None  # the dQ kernel's own warps and stages; None: as the dK/dV kernel
     dq_num_stages: int | None = None
+
+    def __post_init__(self):
+        check_launch_config(self)
 
     @property
     def dq_launch(self) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from triton.runtime import _allocation  # the allocator's ContextVar (pinned tri
 from ioattn.kernels import interpreted
 from ioattn.kernels.prefill_fwd import MASK_ADDITIVE, MASK_BOOL, MASK_NONE, prefill_fwd_kernel
 from ioattn.ops.capability import HOPPER, SIXTEEN_BIT
+from ioattn.ops.launch_config import check_launch_config
 
 @dataclasses.dataclass(frozen=True)
 class FwdConfig:
@@ -27,6 +28,9 @@ class FwdConfig:
     loop_stages: int | None = None  # tl.range(num_stages=...) of the K/V loops; None keeps the launch default
     tma: bool = True  # tiles move through device-side tensor descriptors; False: pointer loads (cp.async)
     maxnreg: int | None = None  # register cap per thread: one more resident program per SM where it fits
+
+    def __post_init__(self):
+        check_launch_config(self)
 
     def __str__(self) -> str:
         extra = "" if self.loop_stages is None else f" loop_stages={self.loop_stages}"

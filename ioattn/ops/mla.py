@@ -22,6 +22,7 @@ from ioattn.kernels.mla_attention import mla_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops import torch_paged
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.launch_config import check_launch_config
 from ioattn.ops.cache import resolve_backend
 from ioattn.ops.checks import (
     check_cu_seqlens, check_max_seqlen, check_tensor, checks_contents, is_int,
@@ -51,6 +52,9 @@ class MLAConfig:
     num_stages: int = 2
     maxnreg: int | None = None
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
+
+    def __post_init__(self):
+        check_launch_config(self)
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:

@@ -31,6 +31,7 @@ from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops import torch_paged
 from ioattn.ops.cache import gather_cache, resolve_backend
 from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.launch_config import check_launch_config
 from ioattn.ops.fp8 import (
     check_fp8_supported, check_scale_values, check_scales, is_fp8, kv_cache_dtype_name,
 )
@@ -69,22 +70,7 @@ class PagedConfig:
     paired_tiles: bool = False  # whole K/V tiles two per loop step: twice the bytes in flight per program
 
     def __post_init__(self):
-        def whole(value):
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if not (whole(value) and 16 <= value <= 256 and value & (value - 1) == 0):
-                raise ValueError(f"PagedConfig.{name} must be a power of two in 16..256 (the dots' smallest tile is "
-                                 f"16), got {value!r}")
-        if not (whole(self.num_warps) and self.num_warps in (1, 2, 4, 8, 16)):
-            raise ValueError(f"PagedConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps!r}")
-        if not (whole(self.num_stages) and 1 <= self.num_stages <= 8):
-            raise ValueError(f"PagedConfig.num_stages must be an int in 1..8, got {self.num_stages!r}")
-        if self.maxnreg is not None and not (whole(self.maxnreg) and 32 <= self.maxnreg <= 255):
-            raise ValueError(f"PagedConfig.maxnreg must be None or an int in 32..255, got {self.maxnreg!r}")
-        if not isinstance(self.paired_tiles, bool):
-            raise ValueError(f"PagedConfig.paired_tiles must be a bool, got {self.paired_tiles!r}")
+        check_launch_config(self)
 
 
 def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,

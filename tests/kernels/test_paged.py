@@ -95,13 +95,6 @@ def test_paired_whole_tiles(device, num_splits):
              config=config)
 
 
-def test_paged_config_refuses_what_the_kernel_cannot_build():
-    for bad in (dict(block_n=48), dict(block_n=8), dict(block_m=512), dict(num_warps=3), dict(num_stages=0),
-                dict(maxnreg=16), dict(maxnreg=128.0), dict(paired_tiles="yes"), dict(block_n=True)):
-        with pytest.raises(ValueError, match=f"PagedConfig.{next(iter(bad))}"):
-            PagedConfig(**bad)
-
-
 @pytest.mark.parametrize("page", [1, 2, 8, 16, 64, 128, 256])
 def test_decode_block_sizes_and_boundaries(device, page):
     # Lengths exactly on a block boundary, one past, one short, a single token, and empty.
