@@ -76,7 +76,7 @@ class PagedConfig:
 def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,
                    cache_dtype: torch.dtype | None = None) -> PagedConfig:
     """The tuned defaults (H200, bf16; other devices share them: the kernel is bandwidth-bound and its tiles small).
-    cache_dtype fp8 (decode): whole tiles paired, 4.6-6% faster on an H200 (bench/results/2026-12-06-fp8-tiles-h200)."""
+    cache_dtype fp8 (decode): whole tiles paired, 3.3-6.2% faster on an H200 (bench/results/2026-12-06-fp8-tiles-h200)."""
     if dtype == torch.float32:  # exact fp32 dots are FMA loops: small tiles keep registers and compile time sane
         return PagedConfig(block_m=16 if decode else 32, block_n=32, num_warps=4, num_stages=2)
     if decode:
