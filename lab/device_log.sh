@@ -1,5 +1,7 @@
 # Sourced by the lab's device-call scripts after they set PYTHONPATH: $OUT made, everything after this tee'd to
 # $OUT/$1, `step` prints the seconds since the start before each stage, and the device and versions are printed.
+# `fp8_gpu_tests SECONDS WORKERS` runs the GPU tests of fp8 caches, the paged kernel and the fp8 engine into
+# $OUT/gpu-tests.txt and prints their summary.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/$1") 2>&1
@@ -8,3 +10,10 @@ step() { echo "== $(( SECONDS - started )) s: $*"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
 echo "tree: ${TREE_COMMIT:-unknown} (the device copy's .git may be older than its working tree)"
+fp8_gpu_tests() {
+    step "0. GPU tests: fp8 caches, the paged kernel, the fp8 engine"
+    timeout "$1" python3 -m pytest -q -n "$2" -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
+        tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py tests/engine/test_fp8_engine.py \
+        > "$OUT/gpu-tests.txt" 2>&1
+    echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+}

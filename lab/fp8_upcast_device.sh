@@ -7,11 +7,7 @@
 set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/device_log.sh" fp8-upcast.log
-step "0. GPU tests: fp8 caches, the paged kernel, the fp8 engine"
-timeout 150 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py tests/engine/test_fp8_engine.py \
-    > "$OUT/gpu-tests.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+fp8_gpu_tests 150 4  # 4 workers: with 8 the fp8 engine's test ran out of memory on an H100
 step "1. fp8 decode: Triton's conversion against float16 dots"
 timeout 120 python3 lab/fp8_upcast.py > "$OUT/fp8-upcast.txt" 2>&1
 echo "fp8_upcast exit $?"
