@@ -39,6 +39,7 @@ these modes follow (see `ioattn.bench.serve_offline`).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                      "0 skips the decode step")
     if args.url and args.launch:
         parser.error("--url and --launch are exclusive")
+    if (args.url or args.launch) and importlib.util.find_spec("aiohttp") is None:
+        parser.error("--url and --launch stream through aiohttp, which is not installed: pip install 'ioattn[bench]'")
     if len(args.output_len) == 1:
         args.output_len *= 2
     if len(args.output_len) != 2 or not 1 <= args.output_len[0] <= args.output_len[1]:

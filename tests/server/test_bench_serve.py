@@ -140,3 +140,11 @@ def test_bench_serve_flags_are_checked(argv, words, capsys):
     with pytest.raises(SystemExit) as caught:
         serve.main(argv)
     assert caught.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_serve_without_aiohttp_says_how_to_get_it(monkeypatch, capsys):
+    real = serve.importlib.util.find_spec
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None if name == "aiohttp" else real(name))
+    with pytest.raises(SystemExit):
+        serve.main(["--url", "http://127.0.0.1:9", "--num-requests", "1"])
+    assert "pip install 'ioattn[bench]'" in capsys.readouterr().err
