@@ -54,6 +54,18 @@ def dense_perplexity(loaded, ids: list[int], transform) -> float:
     return math.exp(nll / (len(ids) - 1))
 
 
+def run_variants(variants: dict, perplexity, result: dict, out: str, base: str) -> list[list[str]]:
+    """Each variant's perplexity into result["runs"] (OUT.json rewritten after each, so a cut run keeps what it
+    measured); returns the table rows [label, perplexity, change against the `base` run]."""
+    for label, transform in variants.items():
+        start = time.perf_counter()
+        result["runs"][label] = perplexity(transform)
+        print(f"{label}: {result['runs'][label]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+        Path(out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+    reference = result["runs"][base]
+    return [[label, f"{p:.4f}", f"{100 * (p / reference - 1):+.3f}%"] for label, p in result["runs"].items()]
+
+
 def main() -> None:
     import torch
 
@@ -124,13 +136,7 @@ def main() -> None:
                            "text": f"seeds, first {len(ids)} tokens, one dense pass", "calibration": what,
                            "torch_threads": torch.get_num_threads()},
               "mean_over_rms": {name: shifts[name][2] for name in shifts}, "runs": {}}
-    for label, transform in variants.items():
-        start = time.perf_counter()
-        result["runs"][label] = perplexity(transform)
-        print(f"{label}: {result['runs'][label]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-    base = result["runs"]["none (float32 K)"]
-    rows = [[label, f"{p:.4f}", f"{100 * (p / base - 1):+.3f}%"] for label, p in result["runs"].items()]
+    rows = run_variants(variants, perplexity, result, args.out, "none (float32 K)")
     ratios = {name: f"{min(r):.2f}-{max(r):.2f}" for name, r in result["mean_over_rms"].items()}
     Path(args.out + ".md").write_text(
         "# FP8 (e4m3) K on smollm2 (CPU): per-channel scales and a K shift against the engine's per-head rule\n\n"

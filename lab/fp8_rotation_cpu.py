@@ -19,7 +19,6 @@ writes OUT.json and OUT.md. ~10 minutes on two cores.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_k_shift_cpu import SEEDS, dense_perplexity  # noqa: E402
+from fp8_k_shift_cpu import SEEDS, dense_perplexity, run_variants  # noqa: E402
 
 
 def hadamard(n: int, signs=None):
@@ -109,13 +108,7 @@ def main() -> None:
               "settings": {"model": "smollm2 (SmolLM2-135M-Instruct, GGUF Q4_1 dequantized), float32",
                            "text": f"seeds, first {len(ids)} tokens, one dense pass", "calibration": what,
                            "torch_threads": torch.get_num_threads(), "head_dim": dim}, "runs": {}}
-    for label, transform in variants.items():
-        start = time.perf_counter()
-        result["runs"][label] = perplexity(transform)
-        print(f"{label}: {result['runs'][label]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
-    base = result["runs"]["none (float32 K and V)"]
-    rows = [[label, f"{p:.4f}", f"{100 * (p / base - 1):+.3f}%"] for label, p in result["runs"].items()]
+    rows = run_variants(variants, perplexity, result, args.out, "none (float32 K and V)")
     Path(args.out + ".md").write_text(
         "# FP8 (e4m3) K and V on smollm2 (CPU): rounded in a Hadamard-rotated frame against the engine's rule\n\n"
         f"- command: `{result['disclosure']['command']}`; torch {torch.__version__}, "
