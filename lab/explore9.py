@@ -28,8 +28,8 @@ import explore1 as e1  # noqa: E402
 import torch  # noqa: E402
 
 import ioattn  # noqa: E402
-from ioattn.bench.workload import make_workload  # noqa: E402
-from ioattn.bench.serve_offline import WARMUP_REQUESTS, Pacing, release_device, run_engine  # noqa: E402
+from ioattn.bench.workload import WARMUP_REQUESTS, make_workload  # noqa: E402
+from ioattn.bench.serve_offline import Pacing, release_device, run_engine  # noqa: E402
 
 MODEL = "tiny" if e1.TINY else "llama3-8b-shape"
 NUM_REQUESTS = 8 if e1.TINY else 256

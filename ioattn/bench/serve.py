@@ -24,8 +24,8 @@ sweep: the server runs each in turn, and `--out` adds a PNG of latency against t
 ours / each peer, plus a batch-B decode step against its roofline bound: see `ioattn.bench.serve_offline`.
 `--offline` is the `ioattn` system alone; with a server run it reports server throughput / offline throughput,
 the server's overhead (goal >= 0.9). With `--launch` the server is this package's own, started as a subprocess
-with the same engine settings and stopped before the offline runs, so they never share the device. A warm-up
-request precedes each measured run.
+with the same engine settings and stopped before the offline runs, so they never share the device. Every measured
+run, server or offline, is preceded by the same warm-up workload (`ioattn.bench.workload.warmup_workload`).
 
 `--tp N` runs our engine on N tensor-parallel processes everywhere it runs (the launched server, `--offline`,
 `--compare`'s ioattn and static; transformers stays one process). `--tp 1,2` (several sizes) is a comparison of

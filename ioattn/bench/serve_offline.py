@@ -60,20 +60,11 @@ from math import ceil
 
 import torch
 
-from ioattn.bench.workload import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, make_workload, summarize
+from ioattn.bench.workload import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, summarize, warmup_workload
 
 SYSTEMS = ("ioattn", "static", "hf", "hf-generate")
 # Timed engine steps for the batch-B decode measurement, after as many untimed ones.
 DECODE_STEPS = 20
-WARMUP_REQUESTS = 32
-WARMUP_OUTPUT_LEN = 4
-
-
-def warmup_workload(work: list[WorkItem], seed: int) -> list[WorkItem]:
-    """Prompts of the workload's length range, different from its own (no prefix-cache hits on the measured run)."""
-    lengths = [len(w.prompt_token_ids) for w in work]
-    count = min(len(work), WARMUP_REQUESTS)
-    return make_workload(count, (min(lengths), max(lengths)), (WARMUP_OUTPUT_LEN, WARMUP_OUTPUT_LEN), seed + 1)
 
 
 def _llm(args, scheduling: str, tensor_parallel_size: int, enforce_eager: bool = False):

@@ -51,6 +51,23 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
     ]
 
 
+# The warm-up every system runs before its measured requests (server and offline alike): as many prompts of the
+# workload's length range, a few output tokens each, so that every kernel specialization and torch path the
+# measured run takes is compiled before the clock starts.
+WARMUP_REQUESTS = 32
+WARMUP_OUTPUT_LEN = 4
+# Far from the seeds a request-rate sweep gives its rates (seed + rate index): no warm-up prompt is a measured one.
+WARMUP_SEED_OFFSET = 1_000_003
+
+
+def warmup_workload(work: list[WorkItem], seed: int) -> list[WorkItem]:
+    """Prompts of the workload's length range, different from its own (no prefix-cache hits on the measured run)."""
+    lengths = [len(w.prompt_token_ids) for w in work]
+    count = min(len(work), WARMUP_REQUESTS)
+    return make_workload(count, (min(lengths), max(lengths)), (WARMUP_OUTPUT_LEN, WARMUP_OUTPUT_LEN),
+                         seed + WARMUP_SEED_OFFSET)
+
+
 def percentile(values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in [0, 100]); None for no values."""
     if not values:

@@ -41,7 +41,8 @@ def test_bench_against_live_server_and_offline(live_server, tmp_path):
         for key in ("output_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99"):
             assert run[key] is not None and run[key] > 0
     assert "decode_step" not in result
-    assert result["server"]["server_counters"]["generation_tokens_total"] == 18 + 4  # + the warm-up request
+    # + the warm-up workload: one request per measured one (up to WARMUP_REQUESTS), WARMUP_OUTPUT_LEN tokens each
+    assert result["server"]["server_counters"]["generation_tokens_total"] == 18 + 6 * workload.WARMUP_OUTPUT_LEN
     assert result["server_over_offline"] > 0
     assert result["disclosure"]["command"].startswith("ioattn bench serve")
 
