@@ -60,7 +60,8 @@ from math import ceil
 
 import torch
 
-from ioattn.bench.workload import PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, summarize, warmup_workload
+from ioattn.bench.workload import (PROMPT_ID_RANGE, Result, WorkItem, arrival_offsets, step_times, summarize,
+                                   warmup_workload)
 
 SYSTEMS = ("ioattn", "static", "hf", "hf-generate")
 # Timed engine steps for the batch-B decode measurement, after as many untimed ones.
@@ -138,6 +139,7 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
     before = engine.kv.stats()
     preemptions_before = engine.scheduler.num_preemptions
     overlapped_before = engine.num_overlapped_steps
+    timed_before = (engine.step_seconds, engine.device_wait_seconds)
     static = engine.scheduler_config.mode == "static"
     reserved_slots_per_seq = ceil(engine.max_model_len / engine.kv.block_size) * engine.kv.block_size
     pool_slots = engine.kv.num_blocks * engine.kv.block_size
@@ -193,8 +195,9 @@ def run_engine(engine, work: list[WorkItem], temperature: float, pacing: Pacing)
         "running_peak": max(running, default=0),
         "kv_cache_dtype": engine.attention.describe()["cache_dtype"],
         "kv_cache_layout": engine.attention.cache_layout,
-        "steps": len(pool_usage),
         "overlapped_steps": engine.num_overlapped_steps - overlapped_before,
+        **step_times(len(pool_usage), engine.step_seconds - timed_before[0],
+                     engine.device_wait_seconds - timed_before[1], duration),
         "first_tokens": [_first(outputs[f"bench-{i}"].outputs[0].token_ids) if outputs[f"bench-{i}"].outputs
                          else None for i in range(len(work))],
     }

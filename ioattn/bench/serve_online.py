@@ -19,7 +19,7 @@ import sys
 import time
 
 from ioattn.bench.datasets import build_workload
-from ioattn.bench.workload import Result, WorkItem, arrival_offsets, summarize, warmup_workload
+from ioattn.bench.workload import Result, WorkItem, arrival_offsets, step_times, summarize, warmup_workload
 
 # -- the server run ------------------------------------------------------------------------------------------
 
@@ -59,21 +59,27 @@ async def _one_request(session, url: str, model: str, item: WorkItem, temperatur
     return Result(True, ttft=latency if ttft is None else ttft, latency=latency, output_tokens=tokens, itl=gaps)
 
 
-async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float, concurrency: int | None,
-                 temperature: float, seed: int, headers: dict) -> tuple[list[Result], float]:
+def _session(limit: int):
     # aiohttp, as vLLM's benchmark client: httpx's pool rescans every connection as each request starts and ends
     # and its parser costs ~55 µs of client CPU per chunk at 256 streams, so the client fell behind the server it
     # measured (bench/results/2026-12-06-server-overhead-cpu.md).
     import aiohttp
 
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                 timeout=aiohttp.ClientTimeout(total=None, connect=60))
+
+
+async def _warm_up(url: str, model: str, warmup: list[WorkItem], temperature: float, headers: dict) -> None:
+    """The offline systems' warm-up, sent at once: the measured run then compiles nothing (a server that starts
+    cold otherwise pays its kernel specializations inside the clock, which the offline run does not)."""
+    async with _session(len(warmup)) as session:
+        await asyncio.gather(*(_one_request(session, url, model, item, temperature, headers) for item in warmup))
+
+
+async def _drive(url: str, model: str, work: list[WorkItem], request_rate: float, concurrency: int | None,
+                 temperature: float, seed: int, headers: dict) -> tuple[list[Result], float]:
     limit = concurrency or len(work)
-    connector = aiohttp.TCPConnector(limit=limit)
-    timeout = aiohttp.ClientTimeout(total=None, connect=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        # The offline systems' warm-up, all at once: the measured run compiles nothing (a server that starts cold
-        # otherwise pays its kernel specializations inside the clock, which the offline run does not).
-        await asyncio.gather(*(_one_request(session, url, model, item, temperature, headers)
-                               for item in warmup_workload(work, seed)))
+    async with _session(limit) as session:
         gate = asyncio.Semaphore(limit)
 
         async def run(item: WorkItem) -> Result:
@@ -98,7 +104,8 @@ def server_metrics(url: str) -> dict[str, float]:
 
         text = httpx.get(url + "/metrics", timeout=10).text
         wanted = ("ioattn_num_preemptions_total", "ioattn_prefix_cache_hits_total", "ioattn_prefix_cache_queries_total",
-                  "ioattn_generation_tokens_total")
+                  "ioattn_generation_tokens_total", "ioattn_engine_steps_total", "ioattn_engine_step_seconds_total",
+                  "ioattn_engine_device_wait_seconds_total")
         return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in wanted}
     except Exception:
         return {}
@@ -113,13 +120,18 @@ def served_model(url: str) -> str:
 def run_server(url: str, model: str | None, work: list[WorkItem], args, request_rate: float) -> dict:
     model = model or served_model(url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    before = server_metrics(url)
+    asyncio.run(_warm_up(url, model, warmup_workload(work, args.seed), args.temperature, headers))
+    before = server_metrics(url)  # after the warm-up: the counters cover the measured requests alone
     results, duration = asyncio.run(_drive(url, model, work, request_rate, args.concurrency, args.temperature,
                                            args.seed, headers))
     after = server_metrics(url)
     summary = summarize(results, duration, args.goodput, sum(len(item.prompt_token_ids) for item in work))
     counters = {name.removeprefix("ioattn_"): after[name] - before.get(name, 0.0) for name in after}
-    return {**summary, "server_counters": counters} if counters else summary
+    if not counters:
+        return summary
+    steps = step_times(int(counters.get("engine_steps_total", 0)), counters.get("engine_step_seconds_total", 0.0),
+                       counters.get("engine_device_wait_seconds_total", 0.0), duration)
+    return {**summary, "server_counters": counters, **steps}
 
 
 def run_sweep(url: str, model: str | None, args, partial_path: str | None = None) -> list[dict]:

@@ -120,6 +120,17 @@ def summarize(results: list[Result], duration: float, slo_ms: dict[str, float] |
     return summary
 
 
+def step_times(steps: int, step_seconds: float, device_wait_seconds: float, duration: float) -> dict:
+    """An engine's steps over a run: their mean wall time, the host's share of it (the rest: waiting for the
+    device's sampled tokens; near 1, the host sets the step rate) and the run's share spent inside steps (the rest:
+    the loop around them, or an engine idle while requests were on their way)."""
+    if not steps or step_seconds <= 0:
+        return {"steps": steps, "step_ms_mean": None, "step_host_share": None, "step_time_share": None}
+    return {"steps": steps, "step_ms_mean": 1e3 * step_seconds / steps,
+            "step_host_share": 1 - device_wait_seconds / step_seconds,
+            "step_time_share": step_seconds / duration if duration > 0 else None}
+
+
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
     """Seconds after the start at which each request is sent: a Poisson process (the first at 0), or all at 0."""
     if request_rate == float("inf"):

@@ -101,6 +101,10 @@ class LLMEngine:
         self.num_steps = 0
         self.num_overlapped_steps = 0
         self.num_discarded_tokens = 0  # scheduled after a sequence's last token, before that token landed
+        # Wall time inside step(), and the part of it the host spent waiting for sampled tokens: their difference
+        # is the host's own work, which bounds the step rate once it exceeds the device's.
+        self.step_seconds = 0.0
+        self.device_wait_seconds = 0.0
 
     def _build_runner(self):
         """What executes each step plan (`run(swap_out, swap_in, copies, batch, feed)`): the model runner here;
@@ -246,6 +250,13 @@ class LLMEngine:
 
         Overlapping, the batch is launched and the previous one is landed: the outputs are those of the
         previous step (none on the first call)."""
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - start
+
+    def _step(self) -> list[RequestOutput]:
         overlap = self.async_scheduling and not self._num_beam_requests
         touched: dict[str, Request] = {}
         if not overlap:
@@ -378,7 +389,9 @@ class LLMEngine:
         for chunk in launched.chunks:
             self.scheduler.commit(chunk)
         if launched.samples:
+            start = time.perf_counter()
             token_ids, logprobs, top_ids, top_lps = launched.read()
+            self.device_wait_seconds += time.perf_counter() - start
             for i, (request, seq, position) in enumerate(launched.samples):
                 if seq.is_finished:  # finished or aborted after this step was launched: an unused extra token
                     continue
@@ -464,8 +477,9 @@ class LLMEngine:
                 "scheduling": self.scheduling_stats(), "kv": self.kv.stats(), "attention": self.attention.describe()}
 
     def scheduling_stats(self) -> dict:
-        """Whether steps overlap the device (asynchronous scheduling), how many did, why the others did not, and
-        the tokens computed in vain (scheduled for a sequence whose stopping token had not landed yet)."""
+        """Whether steps overlap the device (asynchronous scheduling), how many did, why the others did not, the
+        tokens computed in vain (scheduled for a sequence whose stopping token had not landed yet), and the time
+        in steps with the part spent waiting for the device."""
         if not self.async_scheduling:
             why = "async_scheduling=False (always with tensor parallelism, and in a disaggregated prefill worker)"
         elif self._num_beam_requests:
@@ -474,7 +488,8 @@ class LLMEngine:
             why = "overlapping"
         return {"async_scheduling": self.async_scheduling, "overlapped_steps": self.num_overlapped_steps,
                 "synchronous_steps": self.num_steps - self.num_overlapped_steps,
-                "discarded_tokens": self.num_discarded_tokens, "status": why}
+                "discarded_tokens": self.num_discarded_tokens, "status": why,
+                "step_seconds": self.step_seconds, "device_wait_seconds": self.device_wait_seconds}
 
 
 def _check_utf8(name: str, text: str) -> None:

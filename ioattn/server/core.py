@@ -251,7 +251,9 @@ class EngineCore:
             requests_waiting=len({seq.request_id for seq in scheduler.waiting}),
             requests_swapped=len({seq.request_id for seq in scheduler.swapped}),
             blocks_used=kv.blocks_used, num_blocks=kv.num_blocks, prefix_query_tokens=kv.prefix_query_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens, preemptions=scheduler.num_preemptions)
+            prefix_hit_tokens=kv.prefix_hit_tokens, preemptions=scheduler.num_preemptions,
+            steps=self.engine.num_steps, step_seconds=self.engine.step_seconds,
+            device_wait_seconds=self.engine.device_wait_seconds)
 
     def stats(self, check_invariants: bool) -> dict:
         """`engine.stats()` plus what the scheduler holds and, when asked, the KV manager's invariant check."""

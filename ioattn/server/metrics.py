@@ -19,6 +19,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# The engine's cumulative counters before its first state (and after a restart): the counters move by differences.
+_ZERO_STATE = EngineState(requests_running=0, requests_waiting=0, requests_swapped=0, blocks_used=0, num_blocks=1,
+                          prefix_query_tokens=0, prefix_hit_tokens=0, preemptions=0)
 
 
 class ServerMetrics:
@@ -46,6 +49,13 @@ class ServerMetrics:
                                    registry=registry)
         self.preemptions = Counter("ioattn_num_preemptions", "Sequences preempted (recompute or swap)",
                                    registry=registry)
+        self.engine_steps = Counter("ioattn_engine_steps", "Engine steps run", registry=registry)
+        self.engine_step_seconds = Counter("ioattn_engine_step_seconds", "Wall time inside engine steps",
+                                           registry=registry)
+        self.engine_device_wait_seconds = Counter(
+            "ioattn_engine_device_wait_seconds", "Part of the engine steps' time the host spent waiting for the "
+            "device's sampled tokens (the rest is host work: a step rate bound by the host shows little wait)",
+            registry=registry)
         self.prompt_tokens = Counter("ioattn_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
         self.generation_tokens = Counter("ioattn_generation_tokens", "Tokens generated", registry=registry)
         self.requests_finished = Counter(
@@ -57,9 +67,7 @@ class ServerMetrics:
                               "after the first", registry=registry, buckets=TPOT_BUCKETS)
         self.e2e = Histogram("ioattn_e2e_request_latency_seconds", "Arrival to last token", registry=registry,
                              buckets=E2E_BUCKETS)
-        self._last_preemptions = 0
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
+        self._last = _ZERO_STATE
 
     def update_engine(self, state: EngineState, num_not_admitted: int) -> None:
         """The engine's state as the engine process last sent it (after a step), and requests it has not taken."""
@@ -69,13 +77,15 @@ class ServerMetrics:
         self.kv_usage.set(100.0 * state.blocks_used / state.num_blocks)
         self.kv_blocks_used.set(state.blocks_used)
         self.kv_blocks_total.set(state.num_blocks)
-        queried, hits = state.prefix_query_tokens, state.prefix_hit_tokens
+        queried, hits, last = state.prefix_query_tokens, state.prefix_hit_tokens, self._last
         self.prefix_hit_rate.set(hits / queried if queried else 0.0)
-        self.prefix_queries.inc(queried - self._last_prefix_queries)
-        self.prefix_hits.inc(hits - self._last_prefix_hits)
-        self.preemptions.inc(state.preemptions - self._last_preemptions)
-        self._last_prefix_queries, self._last_prefix_hits = queried, hits
-        self._last_preemptions = state.preemptions
+        self.prefix_queries.inc(queried - last.prefix_query_tokens)
+        self.prefix_hits.inc(hits - last.prefix_hit_tokens)
+        self.preemptions.inc(state.preemptions - last.preemptions)
+        self.engine_steps.inc(state.steps - last.steps)
+        self.engine_step_seconds.inc(state.step_seconds - last.step_seconds)
+        self.engine_device_wait_seconds.inc(state.device_wait_seconds - last.device_wait_seconds)
+        self._last = state
 
     def engine_ready(self, info: EngineInfo) -> None:
         """What the engine process loaded: its KV cache's capacity and format."""
@@ -86,7 +96,7 @@ class ServerMetrics:
 
     def engine_restarted(self) -> None:
         """A new engine process counts from zero again."""
-        self._last_prefix_queries = self._last_prefix_hits = self._last_preemptions = 0
+        self._last = _ZERO_STATE
 
     def request_admitted(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)

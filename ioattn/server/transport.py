@@ -119,6 +119,10 @@ class EngineState(msgspec.Struct, array_like=True):
     prefix_query_tokens: int
     prefix_hit_tokens: int
     preemptions: int
+    # Cumulative: engine steps, the wall time inside them and the part spent waiting for the device.
+    steps: int = 0
+    step_seconds: float = 0.0
+    device_wait_seconds: float = 0.0
 
 
 class Outputs(msgspec.Struct, tag="outputs"):

@@ -98,6 +98,10 @@ def test_metrics_parse_and_move(live_server, client):
     assert delta(after, before, "ioattn_generation_tokens_total") >= out.usage.completion_tokens + 1
     assert delta(after, before, "ioattn_prompt_tokens_total") == 2 * out.usage.prompt_tokens
     assert delta(after, before, "ioattn_prefix_cache_queries_total") > 0
+    # Two requests of 5 tokens: at least 5 steps, their time measured, the device wait a part of it.
+    assert delta(after, before, "ioattn_engine_steps_total") >= 5
+    step_seconds = delta(after, before, "ioattn_engine_step_seconds_total")
+    assert 0 < step_seconds and 0 <= delta(after, before, "ioattn_engine_device_wait_seconds_total") <= step_seconds
     for histogram in ("ioattn_time_to_first_token_seconds", "ioattn_e2e_request_latency_seconds"):
         assert delta(after, before, histogram + "_count") == 2
         assert delta(after, before, histogram + "_sum") > 0
