@@ -108,7 +108,7 @@ REPORT_ROWS = (
 )
 ENGINE_KEYS = ("preemptions", "prefix_hit_rate", "kv_utilization_mean", "kv_pool_usage_peak", "kv_pool_tokens",
                "kv_bytes_per_token", "requests_in_pool", "running_peak", "kv_cache_layout", "steps",
-               "overlapped_steps", "step_ms_mean", "step_host_share", "step_time_share", "shipped_blocks",
+               "overlapped_steps", "step_ms_mean", "step_token_wait_share", "step_time_share", "shipped_blocks",
                "first_token_agreement")
 SWEEP_COLUMNS = (("request rate (req/s)", "request_rate"), ("completed", "completed"),
                  ("req/s", "request_throughput"), ("output tok/s", "output_throughput"),

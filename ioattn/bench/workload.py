@@ -121,13 +121,14 @@ def summarize(results: list[Result], duration: float, slo_ms: dict[str, float] |
 
 
 def step_times(steps: int, step_seconds: float, device_wait_seconds: float, duration: float) -> dict:
-    """An engine's steps over a run: their mean wall time, the host's share of it (the rest: waiting for the
-    device's sampled tokens; near 1, the host sets the step rate) and the run's share spent inside steps (the rest:
-    the loop around them, or an engine idle while requests were on their way)."""
+    """An engine's steps over a run: their mean wall time, the share of it spent waiting for sampled tokens to
+    reach the host (small: the device was done before the host asked, so the host's work sets the step rate,
+    unless a synchronizing call elsewhere in the step hides the wait), and the run's share spent inside steps (the
+    rest: the loop around them, or an engine idle while requests were on their way)."""
     if not steps or step_seconds <= 0:
-        return {"steps": steps, "step_ms_mean": None, "step_host_share": None, "step_time_share": None}
+        return {"steps": steps, "step_ms_mean": None, "step_token_wait_share": None, "step_time_share": None}
     return {"steps": steps, "step_ms_mean": 1e3 * step_seconds / steps,
-            "step_host_share": 1 - device_wait_seconds / step_seconds,
+            "step_token_wait_share": device_wait_seconds / step_seconds,
             "step_time_share": step_seconds / duration if duration > 0 else None}
 
 

@@ -53,8 +53,8 @@ class ServerMetrics:
         self.engine_step_seconds = Counter("ioattn_engine_step_seconds", "Wall time inside engine steps",
                                            registry=registry)
         self.engine_device_wait_seconds = Counter(
-            "ioattn_engine_device_wait_seconds", "Part of the engine steps' time the host spent waiting for the "
-            "device's sampled tokens (the rest is host work: a step rate bound by the host shows little wait)",
+            "ioattn_engine_device_wait_seconds", "Part of the engine steps' time spent waiting for the device's "
+            "sampled tokens to reach the host",
             registry=registry)
         self.prompt_tokens = Counter("ioattn_prompt_tokens", "Prompt tokens of admitted requests", registry=registry)
         self.generation_tokens = Counter("ioattn_generation_tokens", "Tokens generated", registry=registry)

@@ -47,9 +47,9 @@ def test_bench_against_live_server_and_offline(live_server, tmp_path):
     assert server["server_counters"]["generation_tokens_total"] == 18
     total = serve_online.server_metrics(live_server.url)["ioattn_generation_tokens_total"]
     assert total >= 18 + 6 * workload.WARMUP_OUTPUT_LEN
-    assert server["steps"] >= 3 and 0 < server["step_ms_mean"] and 0 <= server["step_host_share"] <= 1
+    assert server["steps"] >= 3 and 0 < server["step_ms_mean"] and 0 <= server["step_token_wait_share"] <= 1
     offline = result["systems"]["ioattn"]
-    assert offline["steps"] >= 3 and 0 < offline["step_time_share"] <= 1 and 0 <= offline["step_host_share"] <= 1
+    assert offline["steps"] >= 3 and 0 < offline["step_time_share"] <= 1 and 0 <= offline["step_token_wait_share"] <= 1
     assert result["server_over_offline"] > 0
     assert result["disclosure"]["command"].startswith("ioattn bench serve")
 
