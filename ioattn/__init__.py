@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "flash_attn_func": "ioattn.ops.attention",
     "flash_attn_varlen_func": "ioattn.ops.attention",
+    "flash_attn_fp8_func": "ioattn.ops.fp8_attention",
     "sdpa": "ioattn.ops.attention",
     "explain": "ioattn.ops.explain",
     "paged_attention": "ioattn.ops.paged",

@@ -39,7 +39,11 @@ SDPA_PEERS = {
     "torch-cudnn": "CUDNN_ATTENTION",
     "torch-math": "MATH",
 }
-BACKENDS = ("ioattn", *SDPA_PEERS, "flex", "naive")
+# ioattn-fp8: the FP8 forward on inputs quantized before timing (e4m3 with flash-attn 3's per-(sequence, KV
+# head) descales: the kernel alone, as FlashAttention-3 reports it); ioattn-fp8-quant: on the 16-bit inputs, the
+# per-128-position block quantization inside the timed call. Forward only; error against the original inputs.
+FP8_BACKENDS = ("ioattn-fp8", "ioattn-fp8-quant")
+BACKENDS = ("ioattn", *FP8_BACKENDS, *SDPA_PEERS, "flex", "naive")
 DEFAULT_BACKENDS = {
     "cuda": ("ioattn", "torch-flash", "torch-efficient", "torch-cudnn", "flex", "naive"),
     "cpu": ("ioattn", "torch-math", "naive"),
@@ -160,6 +164,30 @@ def _run_ioattn(case: Case, qkv, args) -> Runner:
     return runner
 
 
+def _run_ioattn_fp8(name: str, case: Case, qkv, args) -> Runner:
+    if args.backward:
+        raise harness.Skip("unsupported: the fp8 forward has no backward")
+    from ioattn.ops.fp8_attention import FP8_FORWARD_DTYPE, flash_attn_fp8_func
+
+    q, k, v = _leaves(qkv, False, False)
+    if name == "ioattn-fp8-quant":
+        return Runner(lambda: flash_attn_fp8_func(q, k, v, causal=case.causal), (q, k, v), False,
+                      "fp8 forward, block scales per 128 positions, quantized in the call")
+    limit = torch.finfo(FP8_FORWARD_DTYPE).max
+
+    def per_kv_head(t: torch.Tensor, heads_per_scale: int):  # (B, N, H, D) -> codes, (B, H / heads_per_scale)
+        b, n, h, d = t.shape
+        amax = t.float().view(b, n, h // heads_per_scale, heads_per_scale, d).abs().amax(dim=(1, 3, 4))
+        scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+        codes = (t.float() / scale.repeat_interleave(heads_per_scale, 1)[:, None, :, None]).to(FP8_FORWARD_DTYPE)
+        return codes, scale
+
+    (qc, qs), (kc, ks), (vc, vs) = per_kv_head(q, case.group), per_kv_head(k, 1), per_kv_head(v, 1)
+    return Runner(lambda: flash_attn_fp8_func(qc, kc, vc, causal=case.causal, q_descale=qs, k_descale=ks,
+                                              v_descale=vs), (q, k, v), False,
+                  "fp8 forward on e4m3 inputs, one descale per (sequence, KV head)")
+
+
 def _describe_plan(plan, backward: bool = False) -> str:
     """Kernel and tiles (and the backward's, in --backward mode), short enough for a table cell; the whole
     explanation goes to the JSON."""
@@ -249,6 +277,8 @@ def _run_naive(case: Case, qkv, args) -> Runner:
 def _runner(name: str, case: Case, qkv, args) -> Runner:
     if name == "ioattn":
         return _run_ioattn(case, qkv, args)
+    if name in FP8_BACKENDS:
+        return _run_ioattn_fp8(name, case, qkv, args)
     if name in SDPA_PEERS:
         return _run_sdpa(name, case, qkv, args)
     return {"flex": _run_flex, "naive": _run_naive}[name](case, qkv, args)
@@ -386,7 +416,7 @@ def measure(name: str, case: Case, qkv, dout, ref: Reference, args, ceilings: di
             else:
                 _measure_forward(runner, case, ref, args, row)
 
-    row.status = harness.guarded(work, ours=name == "ioattn")
+    row.status = harness.guarded(work, ours=name == "ioattn" or name in FP8_BACKENDS)
     if row.status != "ok":
         row.ms = row.rate = row.peak_mib = row.error = None
     elif row.rate is not None:

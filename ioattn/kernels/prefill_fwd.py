@@ -23,6 +23,11 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # scores live in base 2 inside the k
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+# FP8 forward: probabilities (<= 1) are rounded to e4m3 after this power of two (exact to undo), which keeps
+# weights down to 2^-14 normal instead of flushing those below 2^-9 (e4m3's max is 448).
+P_CODE_SCALE = 256.0
+_P_CODE_SCALE: tl.constexpr = tl.constexpr(P_CODE_SCALE)
+_P_CODE_DESCALE: tl.constexpr = tl.constexpr(1.0 / P_CODE_SCALE)
 
 
 @triton.jit
@@ -44,21 +49,38 @@ def _load_kv_tile(desc, base, start_n, stride_n, seqlen_k, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _e4m3_grid(x):
+    """Non-negative float32 x rounded to nearest even onto e4m3's grid (3 mantissa bits, normal from 2^-6), so
+    that converting it is exact: what the GPU's conversion does by itself, and Triton's interpreter does not
+    (see `ioattn.kernels.cache_ops.quantize_fp8`)."""
+    exponent = tl.maximum(x.to(tl.int32, bitcast=True) >> 23, 127 - 6)
+    grid = ((exponent + 20) << 23).to(tl.float32, bitcast=True)
+    return (x + grid) - grid
+
+
+@triton.jit
 def _attend_tiles(
     acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, lo, hi,
     key_pos, row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr,
     MASKED: tl.constexpr, LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr,
     MASK_KIND: tl.constexpr, INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
+    SCALE_POSITIVE: tl.constexpr, FP8: tl.constexpr = False, row_scale=None, k_scales=None, v_scales=None,
+    scale_block=1, ROUND_P: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         # scores in base 2: qk_scale already carries log2(e)
         k = _load_kv_tile(k_desc, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
         qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
+        if FP8:
+            # e4m3 codes: a score is q_code.k_code x (the row's Q block scale x this tile's K block scale); the
+            # tile lies in one K scale block (the caller keeps BLOCK_N a divisor of the scale block)
+            tile_scale = (row_scale * tl.load(k_scales + start_n // scale_block))[:, None]
+        else:
+            tile_scale = qk_scale
         if MASKED:
-            s = qk * qk_scale
+            s = qk * tile_scale
             cols = start_n + offs_n
             ok = (cols < seqlen_k)[None, :] & row_valid[:, None]
             if RIGHT_BOUNDED:
@@ -77,6 +99,10 @@ def _attend_tiles(
             # a row that has seen no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_base[:, None])
+        elif FP8:  # per-row scales, all positive (the caller refuses softmax_scale <= 0 with fp8)
+            m_new = tl.maximum(m_i, tl.max(qk * tile_scale, 1))
+            m_base = m_new
+            p = tl.math.exp2(qk * tile_scale - m_base[:, None])
         elif SCALE_POSITIVE:
             # max(qk)·scale is the max of the scaled row, so the scaling folds into one FMA per score
             # (bench/results/2026-11-29-fwd-fma.md)
@@ -92,7 +118,17 @@ def _attend_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         v = _load_kv_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        if FP8:
+            # P in [0, 1] rounded to e4m3 after x 2^8 (P_CODE_SCALE: small weights keep their mantissa instead of
+            # going subnormal); each tile's product lands in a fresh fp32 accumulator and is added here with its
+            # V block scale (two-level accumulation: the tensor cores' fp8 accumulation never spans tiles)
+            p_codes = p * _P_CODE_SCALE
+            if ROUND_P:
+                p_codes = _e4m3_grid(p_codes)
+            pv = tl.dot(p_codes.to(v.dtype), v)
+            acc += pv * (tl.load(v_scales + start_n // scale_block) * _P_CODE_DESCALE)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -100,9 +136,9 @@ def _attend_tiles(
 # sequence lengths, window bounds and the strides that scale with them (the packed LSE's head stride is the
 # token count) vary per call: specializing on them (== 1, % 16) would only recompile
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "stride_ob", "stride_lb",
-                               "stride_lh", "stride_ln"])
+                               "stride_lh", "stride_ln", "scale_block", "scale_blocks_q", "scale_blocks_k"])
 def prefill_fwd_kernel(
-    Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k, K_descale, V_descale,
+    Q, K, V, O, LSE, MASK, cu_seqlens_q, cu_seqlens_k, K_descale, V_descale, Q_scale,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv,
     stride_qb, stride_qn, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -110,15 +146,19 @@ def prefill_fwd_kernel(
     stride_ob, stride_on, stride_oh,
     stride_lb, stride_lh, stride_ln,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    qk_scale, window_left, window_right,
+    qk_scale, window_left, window_right, scale_block, scale_blocks_q, scale_blocks_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr, PACK_GQA: tl.constexpr, VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     LEFT_BOUNDED: tl.constexpr, RIGHT_BOUNDED: tl.constexpr, MASK_KIND: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, LOOP_STAGES: tl.constexpr, SCALE_POSITIVE: tl.constexpr, TMA: tl.constexpr,
-    DESCALE: tl.constexpr = False,
+    DESCALE: tl.constexpr = False, FP8: tl.constexpr = False, ROUND_P: tl.constexpr = False,
 ):
     # DESCALE: K and V hold fp8 codes (converted exactly); K_descale / V_descale (num_heads_kv,) float32 multiply
     # the softmax scale and the output, per KV head, so the dequantized values are never rounded to 16 bits.
+    # FP8: Q, K and V hold e4m3 codes and both products run in fp8; Q_scale (B, Hq, scale_blocks_q), K_descale and
+    # V_descale (B, Hkv, scale_blocks_k), float32, contiguous: one scale per `scale_block` positions of a head.
+    # ROUND_P: round the probabilities onto e4m3's grid before converting them (the interpreter's conversion
+    # does not round to nearest; the GPU's does).
     # --- which rows this program owns: ROWS query positions of one head, or of a whole GQA group (packed)
     ROWS: tl.constexpr = BLOCK_M // GROUP if PACK_GQA else BLOCK_M
     # last query tiles first: under causal masks they see the most keys, so the grid's tail is short work
@@ -215,6 +255,15 @@ def prefill_fwd_kernel(
         qk_scale = qk_scale * _LOG2E
         if DESCALE:
             qk_scale = qk_scale * tl.load(K_descale + head_kv)
+        row_scale = qk_scale  # FP8: the softmax scale x each row's Q block scale
+        k_scales = K_descale  # FP8: this head's K and V block scales
+        v_scales = V_descale
+        if FP8:
+            q_scales = Q_scale + (batch64 * num_heads_q + row_head) * scale_blocks_q
+            row_scale = qk_scale * tl.load(q_scales + row // scale_block, mask=row_valid, other=0.0)
+            kv_scales = (batch64 * num_heads_kv + head_kv) * scale_blocks_k
+            k_scales = K_descale + kv_scales
+            v_scales = V_descale + kv_scales
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -222,17 +271,17 @@ def prefill_fwd_kernel(
             acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, kv_lo, full_lo, key_pos,
             row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
             HEAD_DIM_PAD, TMA, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
-            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE, FP8, row_scale, k_scales, v_scales, scale_block, ROUND_P)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, full_lo, full_hi, key_pos,
             row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
             HEAD_DIM_PAD, TMA, False, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
-            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE, FP8, row_scale, k_scales, v_scales, scale_block, ROUND_P)
         acc, l_i, m_i = _attend_tiles(
             acc, l_i, m_i, q, k_desc, v_desc, k_base, v_base, stride_kn, stride_vn, full_hi, kv_hi, key_pos,
             row_valid, mask_rows, stride_mn, seqlen_k, qk_scale, window_left, window_right, BLOCK_N, HEAD_DIM,
             HEAD_DIM_PAD, TMA, True, LEFT_BOUNDED, RIGHT_BOUNDED, MASK_KIND,
-            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE)
+            INPUT_PRECISION, LOOP_STAGES, SCALE_POSITIVE, FP8, row_scale, k_scales, v_scales, scale_block, ROUND_P)
 
         # --- epilogue: rows that saw no key get output 0 and LSE -inf
         empty = l_i == 0.0

@@ -156,7 +156,8 @@ def _apply(q, k, v, inputs: AttentionInputs, backend: str, sdpa_layout: bool, de
 
 
 def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False,
-                    deterministic=None, backend="auto"):
+                    deterministic=None, backend="auto", *, fp8=False, q_descale=None, k_descale=None,
+                    v_descale=None):
     """Exact attention with flash-attn's signature and layout.
 
     q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D); Hq a multiple of Hkv (GQA/MQA); D a multiple of 8 up to 256;
@@ -170,7 +171,24 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
     the Gluon warp-specialized forward where it takes the call and was measured faster; on CPU torch's CPU SDPA
     kernel where it is exact, else the tiled torch forward; `explain` says which and why), "triton", "gluon"
     (sm_90 only; raises naming what it does not take) or "torch".
+
+    FP8 forward (inference, `ioattn.ops.fp8_attention`): fp8=True quantizes 16-bit q, k, v to e4m3 per 128
+    positions of each head, fp8="hadamard" rotates Q and K first; or e4m3 q, k, v with flash-attn 3's
+    q_descale / k_descale / v_descale, float32 (B, Hkv).
     """
+    if fp8 is not False or (isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn):
+        if fp8 not in (False, True, "hadamard"):
+            raise ValueError(f"fp8 must be False, True or 'hadamard', got {fp8!r}")
+        if deterministic or backend not in ("auto", "triton"):
+            raise ValueError(f"the fp8 forward runs the Triton kernel without a backward: backend must be 'auto' "
+                             f"or 'triton' and deterministic unset, got backend={backend!r}, "
+                             f"deterministic={deterministic!r}")
+        from ioattn.ops.fp8_attention import flash_attn_fp8_func
+
+        return flash_attn_fp8_func(q, k, v, causal, window_size, softmax_scale, return_lse, q_descale=q_descale,
+                                   k_descale=k_descale, v_descale=v_descale, hadamard=fp8 == "hadamard")
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise ValueError("q_descale / k_descale / v_descale go with float8_e4m3fn q, k, v (the fp8 forward)")
     checks.check_backend(backend, checks.ATTENTION_BACKENDS)
     inputs = checks.validate_dense(q, k, v, causal, window_size, softmax_scale)
     out, lse = _apply(q, k, v, inputs, backend, False, deterministic)

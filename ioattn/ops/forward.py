@@ -184,6 +184,7 @@ def launch_prefill_fwd(
     attn_mask: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    fp8_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> None:
     """Run the kernel with an explicit configuration; writes `out` and `lse` in place.
 
@@ -191,7 +192,10 @@ def launch_prefill_fwd(
     (Hq, total_q) with int32 cu_seqlens. `attn_mask` (dense only) must already be broadcast to 4 dims
     (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
     aligned base and strides): the caller checks them and copies when they do not. k_descale / v_descale: float32
-    (Hkv,) factors of the scores and the output per KV head (k/v hold fp8 codes; both or neither).
+    (Hkv,) factors of the scores and the output per KV head (k/v hold fp8 codes; both or neither). fp8_scales:
+    q, k and v all hold e4m3 codes and both products run in fp8 (dense layout only): (q_scale (B, Hq, nq),
+    k_scale (B, Hkv, nk), v_scale (B, Hkv, nk), block) float32 contiguous, one scale per `block` positions,
+    `block` a multiple of config.block_n.
     """
     ensure_allocator()
     varlen = cu_seqlens_q is not None
@@ -225,17 +229,24 @@ def launch_prefill_fwd(
     if grid[0] == 0 or grid[1] == 0:
         return
     dummy_cu = cu_seqlens_q if varlen else lse
+    if fp8_scales is not None:
+        q_scale, k_descale, v_descale, scale_block = fp8_scales
+        scale_blocks = (q_scale.shape[-1], k_descale.shape[-1])
+    else:
+        q_scale, scale_block, scale_blocks = lse, 1, (1, 1)
     prefill_fwd_kernel[grid](
         q, k, v, out, lse, mask_arg, dummy_cu, cu_seqlens_k if varlen else lse,
-        lse if k_descale is None else k_descale, lse if v_descale is None else v_descale,
+        lse if k_descale is None else k_descale, lse if v_descale is None else v_descale, q_scale,
         seqlen_q, seqlen_k, hq, hkv,
         *strides_q, *strides_k, *strides_v, *strides_o, *strides_l, *strides_m,
-        problem.softmax_scale, problem.window_left, problem.window_right,
+        problem.softmax_scale, problem.window_left, problem.window_right, scale_block, *scale_blocks,
         HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         GROUP=group, PACK_GQA=problem.pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=problem.bottom_right,
         LEFT_BOUNDED=problem.window_left >= 0, RIGHT_BOUNDED=problem.window_right >= 0, MASK_KIND=mask_kind,
         INPUT_PRECISION=problem.input_precision, LOOP_STAGES=config.loop_stages,
         SCALE_POSITIVE=problem.softmax_scale > 0, TMA=config.tma,
-        **({"DESCALE": True} if k_descale is not None else {}), num_warps=config.num_warps,
+        **({"FP8": True, "ROUND_P": interpreted()} if fp8_scales is not None
+           else {"DESCALE": True} if k_descale is not None else {}),
+        num_warps=config.num_warps,
         num_stages=config.num_stages, maxnreg=config.maxnreg,
     )

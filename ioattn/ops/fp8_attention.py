@@ -1,0 +1,199 @@
+"""FP8 attention forward (FlashAttention-3's recipe): Q·Kᵀ and P·V both run on e4m3 operands with fp32
+accumulation, for inference.
+
+Two ways in, both through `flash_attn_fp8_func`:
+- 16-bit q, k, v: quantized here to e4m3 with one float32 scale per `scale_block` positions of each head (amax
+  of the block / 448, so the block's largest element lands on e4m3's largest); with `hadamard=True`, Q and K are
+  first rotated by the same signed Hadamard matrix M / sqrt(D) (`ioattn.ops.fp8.kv_rotation`), which leaves every
+  score q·k unchanged and spreads an outlier channel over all of them before rounding (incoherent processing).
+- e4m3 q, k, v already quantized, with flash-attn 3's `q_descale`, `k_descale`, `v_descale`: float32
+  (batch, num_heads_k), one scale per sequence and KV head (`q_descale` applies to the KV head's query group).
+
+The kernel (`ioattn.kernels.prefill_fwd`, FP8=True) multiplies each score tile by its row's Q scale and the
+tile's K scale, rounds the probabilities to e4m3 after x 256, and adds each tile's P·V, computed in a fresh
+accumulator, to the fp32 output with the tile's V scale (two-level accumulation, so no fp8 accumulation spans
+more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
+output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
+
+Supported: the dense layout (B, N, H, D), D in 64, 128, 256, GQA, causal and windows (bottom-right), no
+gradient. CUDA needs compute capability 8.9+ (fp8 tensor cores); on the CPU the same kernel runs under Triton's
+interpreter (whose fp8 products are exact). Anything else raises a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ioattn.kernels import interpreted
+from ioattn.ops import checks
+from ioattn.ops.capability import device_capability
+from ioattn.ops.forward import FwdProblem, launch_prefill_fwd, tuned_config
+from ioattn.ops.fp8 import FP8_MIN_CAPABILITY, fp8_max, kv_rotation
+
+FP8_FORWARD_DTYPE = torch.float8_e4m3fn
+FP8_HEAD_DIMS = (64, 128, 256)
+DEFAULT_SCALE_BLOCK = 128
+# Scale blocks are whole K/V tiles of the kernel (its BLOCK_N is at most 128).
+SCALE_BLOCK_MULTIPLE = 128
+
+
+def hadamard_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The orthogonal float32 (D, D) matrix M / sqrt(D) that Q and K are rotated by (D a power of two)."""
+    return (kv_rotation(head_dim) / math.sqrt(head_dim)).to(device)
+
+
+def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, N, H, D) 16-bit -> (e4m3 codes (B, N, H, D), float32 scales (B, H, ceil(N / block))), rotated first
+    when `rotation` is given: each block of `block` positions of a head divided by its amax / 448, rounded to
+    nearest even. An all-zero block gets scale 1; a NaN stays NaN (its block's scale too)."""
+    batch, n, heads, dim = x.shape
+    values = x.float() if rotation is None else x.float() @ rotation
+    blocks = -(-n // block)
+    padded = torch.nn.functional.pad(values, (0, 0, 0, 0, 0, blocks * block - n)).view(batch, blocks, block, heads, dim)
+    amax = padded.abs().amax(dim=(2, 4))  # (B, blocks, H)
+    limit = fp8_max(FP8_FORWARD_DTYPE)
+    scales = torch.where(amax > 0, amax / limit, torch.where(amax.isnan(), amax, 1.0))
+    scaled = padded / scales[:, :, None, :, None]
+    codes = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit)).to(FP8_FORWARD_DTYPE)
+    codes = codes.view(batch, blocks * block, heads, dim)[:, :n]
+    return codes.contiguous(), scales.permute(0, 2, 1).contiguous()
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """The float64 values e4m3 codes (B, N, H, D) with scales (B, H, blocks) stand for."""
+    per_position = scales.double().repeat_interleave(block, dim=2)[:, :, : codes.shape[1]]  # (B, H, N)
+    return codes.double() * per_position.permute(0, 2, 1)[..., None]
+
+
+def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False, *,
+                        q_descale=None, k_descale=None, v_descale=None, hadamard=False,
+                        scale_block=DEFAULT_SCALE_BLOCK):
+    """FP8 attention forward with flash-attn's dense layout: q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), causal and
+    window_size bottom-right as in `flash_attn_func`. q, k, v either all 16-bit (quantized here per
+    `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
+    q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
+    Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient."""
+    fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
+    _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
+    left, right = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
+    scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
+    if not scale > 0:
+        raise ValueError(f"softmax_scale must be > 0 with fp8 attention, got {scale}")
+    batch, n_q, heads_q, dim = q.shape
+    n_k, heads_kv = k.shape[1], k.shape[2]
+    if fp8_inputs:
+        out_dtype = torch.bfloat16
+        # One scale per sequence: a single block spanning both lengths, a whole number of kernel tiles.
+        block = max(SCALE_BLOCK_MULTIPLE, -(-max(n_q, n_k) // SCALE_BLOCK_MULTIPLE) * SCALE_BLOCK_MULTIPLE)
+        group = heads_q // heads_kv
+        q_scales = q_descale.repeat_interleave(group, dim=1)[..., None].contiguous()
+        k_scales, v_scales = k_descale[..., None].contiguous(), v_descale[..., None].contiguous()
+        q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), v.contiguous()
+    else:
+        out_dtype, block = q.dtype, scale_block
+        rotation = hadamard_rotation(dim, q.device) if hadamard else None
+        q_codes, q_scales = quantize_blocks(q, block, rotation)
+        k_codes, k_scales = quantize_blocks(k, block, rotation)
+        v_codes, v_scales = quantize_blocks(v, block)
+    # Triton's interpreter stores bfloat16 by truncation: it writes float32 there, rounded to nearest by torch.
+    kernel_dtype = torch.float32 if interpreted() and out_dtype == torch.bfloat16 else out_dtype
+    out = torch.empty(batch, n_q, heads_q, dim, dtype=kernel_dtype, device=q.device)
+    lse = torch.empty(batch, heads_q, n_q, dtype=torch.float32, device=q.device)
+    if n_k == 0:  # no keys: every row is fully masked
+        out.zero_()
+        lse.fill_(float("-inf"))
+    elif n_q > 0 and batch > 0:
+        problem = FwdProblem(softmax_scale=scale, window_left=left, window_right=right, bottom_right=True,
+                             input_precision="ieee", pack_gqa=False)
+        config, _ = tuned_config(dim, torch.bfloat16, right == 0, device_capability(q.device), n_q)
+        launch_prefill_fwd(q_codes, k_codes, v_codes, out, lse, problem, config,
+                           fp8_scales=(q_scales, k_scales, v_scales, block))
+    out = out.to(out_dtype)
+    return (out, lse) if return_lse else out
+
+
+def _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t)
+        checks.check_ndim(name, t, 4, "(batch, seqlen, nheads, headdim)")
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad: the fp8 forward is for inference (no backward); use "
+                             "flash_attn_func to train")
+    allowed = (FP8_FORWARD_DTYPE,) if fp8_inputs else (torch.float16, torch.bfloat16)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in allowed or t.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype ({q.dtype}): q, k and v are all float16 / bfloat16 "
+                             f"(quantized here) or all float8_e4m3fn (with descales), got {t.dtype}")
+    if q.dtype not in (FP8_FORWARD_DTYPE, torch.float16, torch.bfloat16):
+        raise ValueError(f"q must be float16, bfloat16 or float8_e4m3fn for the fp8 forward, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: all must be on one device")
+    if q.shape[0] != k.shape[0] or k.shape != v.shape or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, and "
+                         "share q's batch and head dim")
+    if q.shape[3] not in FP8_HEAD_DIMS:
+        raise ValueError(f"head dim {q.shape[3]} is not supported by the fp8 forward: one of {FP8_HEAD_DIMS}")
+    checks.check_heads(q.shape[2], k.shape[2])
+    if q.device.type == "cuda":
+        capability = device_capability(q.device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ValueError(f"q: the fp8 forward needs fp8 tensor cores (compute capability 8.9+); {q.device} has "
+                             f"{'.'.join(map(str, capability))}")
+    elif not interpreted():
+        raise ValueError(f"q is on {q.device}: the fp8 forward runs on CUDA, or on the CPU under Triton's "
+                         "interpreter (TRITON_INTERPRET=1)")
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    if fp8_inputs:
+        if hadamard:
+            raise ValueError("hadamard=True rotates 16-bit inputs before quantizing them; q, k, v are already e4m3")
+        shape = (q.shape[0], k.shape[2])
+        for name, t in descales.items():
+            if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape
+                    or t.device != q.device):
+                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else repr(t)
+                raise ValueError(f"{name} must be a float32 tensor (batch, num_heads_k) = {shape} on {q.device} "
+                                 f"with e4m3 inputs, got {got}")
+            values = t.detach().double().cpu()
+            if not bool((torch.isfinite(values) & (values > 0)).all()):
+                raise ValueError(f"{name} must hold finite scales > 0")
+        return
+    for name, t in descales.items():
+        if t is not None:
+            raise ValueError(f"{name} applies to float8_e4m3fn inputs only; q is {q.dtype} (quantized here)")
+    if type(hadamard) is not bool:
+        raise ValueError(f"hadamard must be True or False, got {hadamard!r}")
+    if not checks.is_int(scale_block) or scale_block < SCALE_BLOCK_MULTIPLE or scale_block % SCALE_BLOCK_MULTIPLE:
+        raise ValueError(f"scale_block must be a positive multiple of {SCALE_BLOCK_MULTIPLE} positions, got "
+                         f"{scale_block!r}")
+
+
+def quantization_error(q, k, v, *, causal=False, hadamard=False, scale_block=DEFAULT_SCALE_BLOCK) -> dict:
+    """Relative Frobenius errors of the fp8 forward on 16-bit q, k, v against float64 attention on the original
+    inputs (`total`) and on the dequantized ones (`kernel`: what the kernel adds, the probabilities' rounding),
+    plus the RMSE against the original reference (FlashAttention-3's figure)."""
+    out = flash_attn_fp8_func(q, k, v, causal=causal, hadamard=hadamard, scale_block=scale_block).double()
+    rotation = hadamard_rotation(q.shape[3], q.device) if hadamard else None
+    deq = [dequantize_blocks(*quantize_blocks(t, scale_block, rot), scale_block)
+           for t, rot in ((q, rotation), (k, rotation), (v, None))]
+    exact = _reference(q.double(), k.double(), v.double(), causal)
+    on_dequantized = _reference(*deq, causal)
+    return {"total": float((out - exact).norm() / exact.norm()),
+            "kernel": float((out - on_dequantized).norm() / on_dequantized.norm()),
+            "rmse": float((out - exact).pow(2).mean().sqrt())}
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """float64 attention, (B, N, H, D), GQA by repetition, causal bottom-right."""
+    group = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)
+    kh, vh = (t.repeat_interleave(group, 2).transpose(1, 2) for t in (k, v))
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(q.shape[3])
+    if causal:
+        n_q, n_k = q.shape[1], k.shape[1]
+        visible = torch.arange(n_k, device=q.device)[None, :] <= torch.arange(n_q, device=q.device)[:, None] + n_k - n_q
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.nan_to_num(torch.softmax(scores, -1)) @ vh).transpose(1, 2)
