@@ -6,7 +6,7 @@ pressure were found (see ioattn/kernels/paged_attention.py).
 
     PYTHONPATH=. python3 lab/aot.py [--block-n 64] [--warps 4] [--stages 2] [--maxnreg N]
         [--page 16] [--prefill] [--fp8 e4m3|e5m2 [--fp8-cast]] [--fp16] [--paired]   # the paged kernel (decode)
-        --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers]    # the dense forward kernel
+        --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers] [--fp8 e4m3]  # the dense forward
         --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
         --gluon [--head-dim 128] [--causal] [--fp16] [--stages N] [--block-n N]  # the Gluon sm_90 forward
         ... [--sass]                                            # also the SASS instruction count by opcode
@@ -89,21 +89,23 @@ def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
 
-def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnreg=None):
+def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnreg=None, fp8=False):
     """The dense forward as `ioattn.ops.forward.launch_prefill_fwd` launches it for 32/8-head bf16 inputs without
-    a mask (its placeholders: the mask argument is q, the cu_seqlens arguments are the LSE)."""
+    a mask (its placeholders: the mask argument is q, the cu_seqlens arguments are the LSE); fp8: e4m3 Q, K, V
+    with block scales (`ioattn.ops.fp8_attention`), bf16 output."""
     from ioattn.kernels.prefill_fwd import MASK_NONE, prefill_fwd_kernel as kernel
     from ioattn.ops.forward import head_dim_padded
 
     types = {n: "i32" for n in kernel.arg_names}
-    types.update({n: "*bf16" for n in ("Q", "K", "V", "O", "MASK")}, qk_scale="fp32")
-    types.update({n: "*fp32" for n in ("LSE", "cu_seqlens_q", "cu_seqlens_k", "K_descale", "V_descale")})
+    inputs = "*fp8e4nv" if fp8 else "*bf16"
+    types.update({n: inputs for n in ("Q", "K", "V")}, O="*bf16", MASK=inputs, qk_scale="fp32")
+    types.update({n: "*fp32" for n in ("LSE", "cu_seqlens_q", "cu_seqlens_k", "K_descale", "V_descale", "Q_scale")})
     aligned = [n for n in kernel.arg_names if (types.get(n, "").startswith("*") or n.startswith("stride_"))
                and n not in kernel.do_not_specialize]
     constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_padded(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
                       GROUP=4, PACK_GQA=False, VARLEN=False, BOTTOM_RIGHT=True, LEFT_BOUNDED=False,
                       RIGHT_BOUNDED=causal, MASK_KIND=MASK_NONE, INPUT_PRECISION="ieee", LOOP_STAGES=None,
-                      SCALE_POSITIVE=True, TMA=tma, DESCALE=False)
+                      SCALE_POSITIVE=True, TMA=tma, DESCALE=False, FP8=fp8, ROUND_P=False)
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
@@ -157,7 +159,8 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--maxnreg", type=int)
     p.add_argument("--prefill", action="store_true", help="paged: multi-token queries (128-row tiles), not decode")
-    p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache instead of one in the queries' dtype")
+    p.add_argument("--fp8", choices=("e4m3", "e5m2"), help="paged: an fp8 cache instead of one in the queries' dtype; "
+                   "forward (e4m3): the FP8 forward")
     p.add_argument("--fp8-cast", action="store_true", help="paged fp8: Triton's conversion, not float16 dots")
     p.add_argument("--paired", action="store_true", help="paged: whole tiles two per loop step (paired_tiles)")
     p.add_argument("--forward", action="store_true", help="the dense forward kernel instead of the paged one")
@@ -181,7 +184,7 @@ def main() -> None:
                             not args.prefill, args.maxnreg)
     elif args.forward:
         kernel = forward_kernel(args.block_m, args.block_n or 64, args.warps, args.stages or 2, args.head_dim,
-                                args.causal, not args.pointers, args.maxnreg)
+                                args.causal, not args.pointers, args.maxnreg, args.fp8 == "e4m3")
     else:
         kernel = paged_kernel(128 if args.prefill else 16, args.block_n or 64, args.warps, args.stages or 2,
                               args.page, not args.prefill, args.maxnreg, args.fp8, "fp16" if args.fp16 else "bf16",

@@ -28,8 +28,8 @@ import torch
 
 from ioattn.kernels import interpreted
 from ioattn.ops import checks
-from ioattn.ops.capability import device_capability
-from ioattn.ops.forward import FwdProblem, launch_prefill_fwd, tuned_config
+from ioattn.ops.capability import HOPPER, device_capability
+from ioattn.ops.forward import FwdConfig, FwdProblem, launch_prefill_fwd, tuned_config
 from ioattn.ops.fp8 import FP8_MIN_CAPABILITY, fp8_max, kv_rotation
 
 FP8_FORWARD_DTYPE = torch.float8_e4m3fn
@@ -68,16 +68,27 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> 
     return codes.double() * per_position.permute(0, 2, 1)[..., None]
 
 
+def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
+    """Hopper: two warpgroups per 128-row query tile (4 warps spill at 255 registers in the sm_90 build; 8 take
+    197-217 with none), 128-key tiles up to D 128; elsewhere the 16-bit forward's entry."""
+    if capability == HOPPER:
+        return FwdConfig(128, 128 if head_dim <= 128 else 64, 8, 2)
+    return tuned_config(head_dim, torch.bfloat16, causal, capability, n_q)[0]
+
+
 def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False, *,
                         q_descale=None, k_descale=None, v_descale=None, hadamard=False,
-                        scale_block=DEFAULT_SCALE_BLOCK):
+                        scale_block=DEFAULT_SCALE_BLOCK, config: FwdConfig | None = None):
     """FP8 attention forward with flash-attn's dense layout: q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), causal and
     window_size bottom-right as in `flash_attn_func`. q, k, v either all 16-bit (quantized here per
     `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
     q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
-    Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient."""
+    Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
+    config: a FwdConfig for the launch (block_n a divisor of 128), else `fp8_config`'s."""
     fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
     _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
+    if config is not None and (not isinstance(config, FwdConfig) or SCALE_BLOCK_MULTIPLE % config.block_n):
+        raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE}, got {config!r}")
     left, right = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
     scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
     if not scale > 0:
@@ -108,7 +119,7 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     elif n_q > 0 and batch > 0:
         problem = FwdProblem(softmax_scale=scale, window_left=left, window_right=right, bottom_right=True,
                              input_precision="ieee", pack_gqa=False)
-        config, _ = tuned_config(dim, torch.bfloat16, right == 0, device_capability(q.device), n_q)
+        config = config or fp8_config(dim, right == 0, device_capability(q.device), n_q)
         launch_prefill_fwd(q_codes, k_codes, v_codes, out, lse, problem, config,
                            fp8_scales=(q_scales, k_scales, v_scales, block))
     out = out.to(out_dtype)

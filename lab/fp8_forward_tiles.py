@@ -1,0 +1,53 @@
+"""Which launch tile suits the FP8 forward (`ioattn.ops.fp8_attention`) on sm_90? Times `flash_attn_fp8_func` on
+e4m3 inputs (per-(sequence, KV head) descales, the kernel alone) at D 128, B·N 16k, 16 heads, N 4k/8k/16k, causal
+and not, for each candidate tile, with the bf16 forward beside it; checks each against the default tile's output.
+
+    PYTHONPATH=. python3 lab/fp8_forward_tiles.py OUT.json   (CUDA only)
+"""
+import json
+import sys
+
+import torch
+import triton
+
+import ioattn
+from ioattn.ops.forward import FwdConfig
+from ioattn.ops.fp8_attention import FP8_FORWARD_DTYPE, flash_attn_fp8_func
+
+TILES = [FwdConfig(128, 128, 8, 2), FwdConfig(128, 64, 8, 2), FwdConfig(128, 128, 8, 3), FwdConfig(128, 64, 8, 3),
+         FwdConfig(64, 128, 4, 2), FwdConfig(128, 64, 4, 2)]
+
+
+def main(path: str) -> None:
+    rows = []
+    for n in (4096, 8192, 16384):
+        for causal in (False, True):
+            b, h, d = 16384 // n, 16, 128
+            q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+            scales = [t.float().abs().amax(dim=(1, 3)) / 448 for t in (q, k, v)]  # (B, H)
+            codes = [(t.float() / s[:, None, :, None]).to(FP8_FORWARD_DTYPE) for t, s in zip((q, k, v), scales)]
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            bf16_ms = triton.testing.do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal))
+            base = flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],
+                                       v_descale=scales[2], config=TILES[0]).float()
+            row = {"N": n, "causal": causal, "bf16_tflops": flops / bf16_ms / 1e9, "tiles": {}}
+            for tile in TILES:
+                run = lambda: flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],  # noqa: E731
+                                                  v_descale=scales[2], config=tile)
+                try:
+                    diff = float((run().float() - base).norm() / base.norm())
+                    ms = triton.testing.do_bench(run)
+                    row["tiles"][str(tile)] = {"tflops": flops / ms / 1e9, "diff_vs_default": diff}
+                except Exception as error:  # noqa: BLE001 (a tile that does not build is reported, the rest run)
+                    row["tiles"][str(tile)] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+            rows.append(row)
+            best = max((t for t in row["tiles"].items() if "tflops" in t[1]), key=lambda t: t[1]["tflops"], default=None)
+            print(f"N {n} causal {causal}: bf16 {row['bf16_tflops']:.0f} TFLOP/s; "
+                  + "; ".join(f"{name}: {r.get('tflops', 0):.0f}" for name, r in row["tiles"].items())
+                  + (f"; best / bf16 {best[1]['tflops'] / row['bf16_tflops']:.2f}" if best else ""))
+            with open(path, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
