@@ -188,12 +188,12 @@ def build(dtype, d, block_m, block_n, num_warps, num_stages, right_bounded, mask
     sig = {n: "i32" for n in names}
     sig.update({n: f"*{dtype}" for n in ("Q", "K", "V", "O")}, LSE="*fp32", qk_scale="fp32",
                MASK={0: f"*{dtype}", 1: "*u8", 2: "*fp32"}[mask_kind], cu_seqlens_q="*i32", cu_seqlens_k="*i32",
-               K_descale="*fp32", V_descale="*fp32")
+               K_descale="*fp32", V_descale="*fp32", Q_scale="*fp32")
     sig.update({n: "i64" for n in ("stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_lb", "stride_mb")})
     const = dict(HEAD_DIM=d, HEAD_DIM_PAD=head_dim_padded(d), BLOCK_M=block_m, BLOCK_N=block_n, GROUP=group,
                  PACK_GQA=pack_gqa, VARLEN=varlen, BOTTOM_RIGHT=True, LEFT_BOUNDED=False, RIGHT_BOUNDED=right_bounded,
                  MASK_KIND=mask_kind, INPUT_PRECISION="ieee", LOOP_STAGES=None, SCALE_POSITIVE=True, TMA=tma,
-                 DESCALE=descale)
+                 DESCALE=descale, FP8=False, ROUND_P=False)
     sig.update({n: "constexpr" for n in const})
     aligned = ("Q", "K", "V", "O", "LSE", "stride_qn", "stride_qh", "stride_kn", "stride_kh", "stride_vn",
                "stride_vh", "stride_on", "stride_oh")
