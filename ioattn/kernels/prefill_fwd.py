@@ -49,6 +49,23 @@ def _load_kv_tile(desc, base, start_n, stride_n, seqlen_k, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def _load_vt_tile(desc, base, start_n, stride_d, seqlen_k, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, TMA: tl.constexpr, BOUNDED: tl.constexpr):
+    """Keys start_n.. of a transposed V (head dim major, keys contiguous), as the (BLOCK_N, D) tile: the layout an
+    fp8 P·V takes from shared memory as it is (fp8 wgmma reads only operands whose reduction dim is contiguous)."""
+    if TMA:
+        return desc.load([0, start_n]).T
+    else:
+        keys = start_n + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        ptrs = base + dims.to(tl.int64)[:, None] * stride_d + keys[None, :]
+        if BOUNDED:
+            return tl.load(ptrs, mask=(dims < HEAD_DIM)[:, None] & (keys < seqlen_k)[None, :], other=0.0).T
+        else:
+            return tl.load(ptrs, mask=(dims < HEAD_DIM)[:, None], other=0.0).T
+
+
+@triton.jit
 def _e4m3_grid(x):
     """Non-negative float32 x rounded to nearest even onto e4m3's grid (3 mantissa bits, normal from 2^-6), so
     that converting it is exact: what the GPU's conversion does by itself, and Triton's interpreter does not
@@ -76,7 +93,8 @@ def _attend_tiles(
         if FP8:
             # e4m3 codes: a score is q_code.k_code x (the row's Q block scale x this tile's K block scale); the
             # tile lies in one K scale block (the caller keeps BLOCK_N a divisor of the scale block)
-            tile_scale = (row_scale * tl.load(k_scales + start_n // scale_block))[:, None]
+            row_tile_scale = row_scale * tl.load(k_scales + start_n // scale_block)
+            tile_scale = row_tile_scale[:, None]
         else:
             tile_scale = qk_scale
         if MASKED:
@@ -99,8 +117,8 @@ def _attend_tiles(
             # a row that has seen no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_base[:, None])
-        elif FP8:  # per-row scales, all positive (the caller refuses softmax_scale <= 0 with fp8)
-            m_new = tl.maximum(m_i, tl.max(qk * tile_scale, 1))
+        elif FP8:  # per-row scales, all positive (the caller refuses softmax_scale <= 0 with fp8): one FMA a score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * row_tile_scale)
             m_base = m_new
             p = tl.math.exp2(qk * tile_scale - m_base[:, None])
         elif SCALE_POSITIVE:
@@ -117,7 +135,12 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_base)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = _load_kv_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
+        if FP8:
+            v = _load_vt_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA,
+                              MASKED)
+        else:
+            v = _load_kv_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA,
+                              MASKED)
         if FP8:
             # P in [0, 1] rounded to e4m3 after x 2^8 (P_CODE_SCALE: small weights keep their mantissa instead of
             # going subnormal); each tile's product lands in a fresh fp32 accumulator and is added here with its
@@ -157,6 +180,7 @@ def prefill_fwd_kernel(
     # the softmax scale and the output, per KV head, so the dequantized values are never rounded to 16 bits.
     # FP8: Q, K and V hold e4m3 codes and both products run in fp8; Q_scale (B, Hq, scale_blocks_q), K_descale and
     # V_descale (B, Hkv, scale_blocks_k), float32, contiguous: one scale per `scale_block` positions of a head.
+    # V is transposed (B, Hkv, D, keys): stride_vn steps between its head-dim rows (dense layout only).
     # ROUND_P: round the probabilities onto e4m3's grid before converting them (the interpreter's conversion
     # does not round to nearest; the GPU's does).
     # --- which rows this program owns: ROWS query positions of one head, or of a whole GQA group (packed)
@@ -222,8 +246,12 @@ def prefill_fwd_kernel(
             # an empty K/V sequence still gets a 1-row descriptor (never read: its tile range below is empty)
             k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
                                                strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
-                                               strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
+            if FP8:  # V transposed: stride_vn steps between head-dim rows of keys
+                v_desc = tl.make_tensor_descriptor(v_base, shape=[HEAD_DIM, tl.maximum(seqlen_k, 1)],
+                                                   strides=[stride_vn, 1], block_shape=[HEAD_DIM_PAD, BLOCK_N])
+            else:
+                v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(seqlen_k, 1), HEAD_DIM],
+                                                   strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM_PAD])
         else:
             # pointer loads: no per-program descriptor setup, which short sequences feel most
             k_desc = K  # placeholders: _attend_tiles reads through k_base / v_base in this mode

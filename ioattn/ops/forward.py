@@ -193,7 +193,8 @@ def launch_prefill_fwd(
     (B, Hq, Nq, Nk) through stride-0 views. Inputs must meet the descriptor rules (last stride 1, 16-byte
     aligned base and strides): the caller checks them and copies when they do not. k_descale / v_descale: float32
     (Hkv,) factors of the scores and the output per KV head (k/v hold fp8 codes; both or neither). fp8_scales:
-    q, k and v all hold e4m3 codes and both products run in fp8 (dense layout only): (q_scale (B, Hq, nq),
+    q, k and v all hold e4m3 codes and both products run in fp8 (dense layout only; v transposed, (B, Hkv, D, Nk')
+    with Nk' >= Nk a multiple of 16, keys contiguous): (q_scale (B, Hq, nq),
     k_scale (B, Hkv, nk), v_scale (B, Hkv, nk), block) float32 contiguous, one scale per `block` positions,
     `block` a multiple of config.block_n.
     """
@@ -215,6 +216,8 @@ def launch_prefill_fwd(
         strides_q = (q.stride(0), q.stride(1), q.stride(2))
         strides_k = (k.stride(0), k.stride(1), k.stride(2))
         strides_v = (v.stride(0), v.stride(1), v.stride(2))
+        if fp8_scales is not None:  # v transposed (B, Hkv, D, keys): (batch, head-dim row, head) strides
+            strides_v = (v.stride(0), v.stride(2), v.stride(1))
         strides_o = (out.stride(0), out.stride(1), out.stride(2))
         strides_l = (lse.stride(0), lse.stride(1), lse.stride(2))
     group = hq // hkv

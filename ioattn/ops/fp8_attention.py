@@ -66,6 +66,15 @@ def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None =
     return codes.contiguous(), scales.permute(0, 2, 1).contiguous()
 
 
+def transposed(codes: torch.Tensor) -> torch.Tensor:
+    """V's codes (B, N, H, D) as (B, H, D, N') with N' the next multiple of 16 (a tensor descriptor's row stride is
+    16-byte aligned), keys contiguous: the operand layout of the kernel's fp8 P·V."""
+    batch, n, heads, dim = codes.shape
+    out = torch.zeros(batch, heads, dim, -(-n // 16) * 16, dtype=codes.dtype, device=codes.device)
+    out[..., :n] = codes.permute(0, 2, 3, 1)
+    return out
+
+
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """The float64 values e4m3 codes (B, N, H, D) with scales (B, H, blocks) stand for."""
     per_position = scales.double().repeat_interleave(block, dim=2)[:, :, : codes.shape[1]]  # (B, H, N)
@@ -115,6 +124,7 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
         v_codes, v_scales = quantize_blocks(v, block)
     # Triton's interpreter stores bfloat16 by truncation: it writes float32 there, rounded to nearest by torch.
     kernel_dtype = torch.float32 if interpreted() and out_dtype == torch.bfloat16 else out_dtype
+    v_codes = transposed(v_codes)
     out = torch.empty(batch, n_q, heads_q, dim, dtype=kernel_dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n_q, dtype=torch.float32, device=q.device)
     if n_k == 0:  # no keys: every row is fully masked
