@@ -23,11 +23,10 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)  # scores live in base 2 inside the k
 _LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-# FP8 forward: probabilities (<= 1) are rounded to e4m3 after this power of two (exact to undo), which keeps
+# FP8 forward: probabilities (<= 1) are rounded to e4m3 after x 2^P_CODE_LOG2 (exact to undo), which keeps
 # weights down to 2^-14 normal instead of flushing those below 2^-9 (e4m3's max is 448).
-P_CODE_SCALE = 256.0
-_P_CODE_SCALE: tl.constexpr = tl.constexpr(P_CODE_SCALE)
-_P_CODE_DESCALE: tl.constexpr = tl.constexpr(1.0 / P_CODE_SCALE)
+P_CODE_LOG2 = 8.0
+_P_CODE_LOG2: tl.constexpr = tl.constexpr(P_CODE_LOG2)
 
 
 @triton.jit
@@ -116,11 +115,14 @@ def _attend_tiles(
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # a row that has seen no visible key yet keeps max -inf: subtract 0 instead so exp2 gives 0, not NaN
             m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_base[:, None])
+            if FP8:  # the probabilities come out x 2^P_CODE_LOG2 (see below)
+                p = tl.math.exp2(s - (m_base - _P_CODE_LOG2)[:, None])
+            else:
+                p = tl.math.exp2(s - m_base[:, None])
         elif FP8:  # per-row scales, all positive (the caller refuses softmax_scale <= 0 with fp8): one FMA a score
             m_new = tl.maximum(m_i, tl.max(qk, 1) * row_tile_scale)
             m_base = m_new
-            p = tl.math.exp2(qk * tile_scale - m_base[:, None])
+            p = tl.math.exp2(qk * tile_scale - (m_base - _P_CODE_LOG2)[:, None])
         elif SCALE_POSITIVE:
             # max(qk)·scale is the max of the scaled row, so the scaling folds into one FMA per score
             # (bench/results/2026-11-29-fwd-fma.md)
@@ -142,14 +144,14 @@ def _attend_tiles(
             v = _load_kv_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA,
                               MASKED)
         if FP8:
-            # P in [0, 1] rounded to e4m3 after x 2^8 (P_CODE_SCALE: small weights keep their mantissa instead of
-            # going subnormal); each tile's product lands in a fresh fp32 accumulator and is added here with its
-            # V block scale (two-level accumulation: the tensor cores' fp8 accumulation never spans tiles)
-            p_codes = p * _P_CODE_SCALE
+            # P x 2^8 in [0, 256] (exp2 of the score minus max - 8: small weights keep their mantissa instead of
+            # going subnormal; the factor cancels between acc and l_i) rounded to e4m3; each tile's product lands
+            # in a fresh fp32 accumulator and is added here with its V block scale (two-level accumulation: the
+            # tensor cores' fp8 accumulation never spans tiles)
             if ROUND_P:
-                p_codes = _e4m3_grid(p_codes)
-            pv = tl.dot(p_codes.to(v.dtype), v)
-            acc += pv * (tl.load(v_scales + start_n // scale_block) * _P_CODE_DESCALE)
+                p = _e4m3_grid(p)
+            pv = tl.dot(p.to(v.dtype), v)
+            acc += pv * tl.load(v_scales + start_n // scale_block)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
@@ -316,7 +318,10 @@ def prefill_fwd_kernel(
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         if DESCALE:
             out = out * tl.load(V_descale + head_kv)
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * _LN2)
+        log2_l = tl.math.log2(tl.where(empty, 1.0, l_i))
+        if FP8:
+            log2_l -= _P_CODE_LOG2  # l_i summed the probabilities x 2^8
+        lse = tl.where(empty, float("-inf"), (m_i + log2_l) * _LN2)
         if not TMA:
             o_rows = row.to(tl.int64)[:, None] * stride_on + row_head.to(tl.int64)[:, None] * stride_oh
             tl.store(o_base + o_rows + dims[None, :], out.to(O.dtype.element_ty), mask=io_mask)

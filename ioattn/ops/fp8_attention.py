@@ -82,10 +82,11 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, block: int) -> 
 
 
 def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
-    """Hopper: two warpgroups per 128-row query tile (4 warps spill at 255 registers in the sm_90 build; 8 take
-    197-217 with none), 128-key tiles up to D 128; elsewhere the 16-bit forward's entry."""
+    """Hopper: 64 query rows x 128 keys, one warpgroup, up to D 128 (the fastest of six tiles on every D 128 row,
+    bench/results/2026-12-06-fp8-forward-h100/); D 256: 128 x 64 over two warpgroups (it spills in every sm_90
+    build tried); elsewhere the 16-bit forward's entry."""
     if capability == HOPPER:
-        return FwdConfig(128, 128 if head_dim <= 128 else 64, 8, 2)
+        return FwdConfig(64, 128, 4, 2) if head_dim <= 128 else FwdConfig(128, 64, 8, 2)
     return tuned_config(head_dim, torch.bfloat16, causal, capability, n_q)[0]
 
 
