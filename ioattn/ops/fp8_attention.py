@@ -86,7 +86,7 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
     bench/results/2026-12-06-fp8-forward-h100/); D 256: 128 x 64 over two warpgroups (it spills in every sm_90
     build tried); elsewhere the 16-bit forward's entry."""
     if capability == HOPPER:
-        return FwdConfig(64, 128, 4, 2) if head_dim <= 128 else FwdConfig(128, 64, 8, 2)
+        return FwdConfig(64, 128, 4, 3) if head_dim <= 128 else FwdConfig(128, 64, 8, 2)
     return tuned_config(head_dim, torch.bfloat16, causal, capability, n_q)[0]
 
 
