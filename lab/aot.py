@@ -8,7 +8,7 @@ pressure were found (see ioattn/kernels/paged_attention.py).
         [--page 16] [--prefill] [--fp8 e4m3|e5m2 [--fp8-cast]] [--fp16] [--paired]   # the paged kernel (decode)
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers] [--fp8 e4m3]  # the dense forward
         --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
-        --gluon [--head-dim 128] [--causal] [--fp16] [--stages N] [--block-n N]  # the Gluon sm_90 forward
+        --gluon [--head-dim 128] [--causal] [--fp16 | --fp8 e4m3] [--stages N] [--block-n N]  # the Gluon forward
         ... [--sass]                                            # also the SASS instruction count by opcode
 
 prints, for one configuration (bf16; paged: 32/8 heads, D=128; forward: 32/8 heads, the dense (B, N, H, D)
@@ -112,24 +112,34 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
 
 def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None):
     """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
-    dim unless stages / block_n are given)."""
+    dim unless stages / block_n are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
-    from ioattn.ops.gluon_forward import BLOCK_M, gluon_config, tile_layout
+    from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, tile_layout
 
-    cfg = gluon_config(head_dim)
+    fp8 = dtype == "fp8"
+    cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim)
     block_n, stages = block_n or cfg.block_n, stages or cfg.stages
     pingpong = cfg.pingpong if pingpong is None else pingpong
-    gl_dtype = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+    gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8e4nv"}[dtype]
+    name = "fp8e4nv" if fp8 else dtype
 
-    def desc(rows):
-        return f"tensordesc<{dtype}[1, {rows}, 1, {head_dim}],{tile_layout(rows, head_dim, gl_dtype)!r}>"
+    def desc(rows, elem=name, gl_elem=gl_dtype):
+        return f"tensordesc<{elem}[1, {rows}, 1, {head_dim}],{tile_layout(rows, head_dim, gl_elem)!r}>"
 
-    types = dict(q_desc=desc(BLOCK_M), o_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n),
-                 LSE="*fp32", qk_scale_log2="fp32")
+    types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
+                 o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
     constexprs = dict(CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
                       PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+    if fp8:
+        from triton.experimental.gluon import language as gl
+
+        vt_layout = gl.NVMMASharedLayout.get_default_for([1, 1, head_dim, block_n], gl.float8e4nv)
+        types.update(v_desc=f"tensordesc<fp8e4nv[1, 1, {head_dim}, {block_n}],{vt_layout!r}>",
+                     Q_scale="*fp32", K_scale="*fp32", V_scale="*fp32")
+    else:
+        constexprs.update(Q_scale=None, K_scale=None, V_scale=None)
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
                          {(kernel.arg_names.index("LSE"),): [["tt.divisibility", 16]]})
@@ -176,7 +186,8 @@ def main() -> None:
     p.add_argument("--no-pingpong", action="store_true", help="gluon: consumers issue their wgmmas unordered")
     args = p.parse_args()
     if args.gluon:
-        kernel = gluon_forward_kernel(args.head_dim, args.causal, "fp16" if args.fp16 else "bf16", args.stages,
+        kernel = gluon_forward_kernel(args.head_dim, args.causal,
+                                      "fp8" if args.fp8 == "e4m3" else "fp16" if args.fp16 else "bf16", args.stages,
                                       args.block_n, False if args.no_pingpong else None)
     elif args.mla:
         tokens = 1 if not args.prefill else max(1, args.block_m // args.block_h)

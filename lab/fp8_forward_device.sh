@@ -12,9 +12,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 source lab/device_log.sh fp8-forward.log
 
-step "1. GPU tests: the fp8 forward"
+step "1. GPU tests: the fp8 forward, the Gluon forward"
 timeout 150 python3 -m pytest -q -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/kernels/test_fp8_forward.py > "$OUT/gpu-tests.txt" 2>&1
+    -n 4 tests/kernels/test_fp8_forward.py tests/kernels/test_gluon_fwd.py > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
 
 step "2. bench prefill: bf16 ioattn, fp8, fp8 with quantization, cuDNN"

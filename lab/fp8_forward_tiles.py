@@ -1,4 +1,5 @@
-"""Which launch tile suits the FP8 forward (`ioattn.ops.fp8_attention`) on sm_90? Times `flash_attn_fp8_func` on
+"""Which launch tile suits the FP8 forward (`ioattn.ops.fp8_attention`) on sm_90, and how does the warp-specialized
+(Gluon) kernel compare? Times `flash_attn_fp8_func` on
 e4m3 inputs (per-(sequence, KV head) descales, the kernel alone) at D 128, B·N 16k, 16 heads, N 4k/8k/16k, causal
 and not, for each candidate tile, with the bf16 forward beside it; checks each against the default tile's output.
 
@@ -30,11 +31,12 @@ def main(path: str) -> None:
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             bf16_ms = triton.testing.do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal))
             base = flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],
-                                       v_descale=scales[2], config=TILES[0]).float()
+                                       v_descale=scales[2], config=TILES[0], backend="triton").float()
             row = {"N": n, "causal": causal, "bf16_tflops": flops / bf16_ms / 1e9, "tiles": {}}
-            for tile in TILES:
+            for tile in (*TILES, "gluon"):
+                options = {"backend": "gluon"} if tile == "gluon" else {"config": tile, "backend": "triton"}
                 run = lambda: flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],  # noqa: E731
-                                                  v_descale=scales[2], config=tile)
+                                                  v_descale=scales[2], **options)
                 try:
                     diff = float((run().float() - base).norm() / base.norm())
                     ms = triton.testing.do_bench(run)

@@ -66,6 +66,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head,
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     box_q: gl.constexpr = [1, BLOCK_M, 1, q_smem.shape[2]]
     box_kv: gl.constexpr = [1, BLOCK_N, 1, k_smem.shape[2]]
+    FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8  # then V is transposed: [STAGES, D, BLOCK_N]
     for c in gl.static_range(CONSUMERS):
         row_start = m_start + c * BLOCK_M
         if row_start < n_q:  # as the consumer's `active`
@@ -84,8 +85,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head,
                                         k_smem.index(stage).reshape(box_kv))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
-                                        v_smem.index(stage).reshape(box_kv))
+        if FP8:  # V transposed (B, Hkv, D, keys): box [1, 1, D, BLOCK_N]
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(stage),
+                                            v_smem.index(stage).reshape([1, 1, v_smem.shape[1], BLOCK_N]))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
+                                            v_smem.index(stage).reshape(box_kv))
 
 
 @gluon.jit
@@ -98,11 +103,13 @@ def _mask_scores(s, j, rows, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr):
-    """One tile of the online softmax in base 2. Returns P, the new (m, l), whether O must be rescaled and by
-    what. With a positive threshold m only moves when some row's max grew by more than it: every row's P stays
-    below 2**threshold, and O, l, LSE all refer to the same m. With 0, m follows every row's max (FA2)."""
-    m_tile = gl.max(s, 1) * qk_scale_log2
+def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.constexpr, P_LOG2: gl.constexpr):
+    """One tile of the online softmax in base 2. Returns P (x 2**P_LOG2), the new (m, l), whether O must be
+    rescaled and by what. The scores' scale is per row (scale_rows: a scalar or a row vector; scale_cols: the
+    same, broadcastable over the tile). With a positive threshold m only moves when some row's max grew by more
+    than it: every row's P stays below 2**threshold, and O, l, LSE all refer to the same m. With 0, m follows
+    every row's max (FA2)."""
+    m_tile = gl.max(s, 1) * scale_rows
     m_new = gl.maximum(m_i, m_tile)
     if RESCALE_THRESHOLD > 0:
         growth = gl.where(m_new > m_i, m_new - m_i, 0.0)  # -inf vs -inf (no key seen yet) is no growth
@@ -116,7 +123,7 @@ def _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD: gl.constexpr):
         m_i = m_new
         l_i = l_i * alpha
     m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-    p = gl.exp2(s * qk_scale_log2 - m_safe[:, None])
+    p = gl.exp2(s * scale_cols - (m_safe - P_LOG2)[:, None])
     l_i = l_i + gl.sum(p, 1)
     return p, m_i, l_i, rescale, alpha
 
@@ -150,14 +157,25 @@ def _release(k_ready, k_empty, v_ready, v_empty, j):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
-              qk_scale_log2, CAUSAL: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr):
+def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block):
+    """FP8: the K or V block scale of key tile j (the tile lies in one scale block)."""
+    return gl.load(scales + (j * BLOCK_N) // scale_block)
+
+
+@gluon.jit
+def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
+              m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+              PINGPONG: gl.constexpr):
     q_ready, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
     dtype: gl.constexpr = q_smem.dtype
+    # FP8: e4m3 Q, K and V (V transposed in shared memory), block scales, P rounded to e4m3 x 2**8, each tile's
+    # P·V in a fresh accumulator added to O with the tile's V scale (two-level accumulation)
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    P_LOG2: gl.constexpr = 8.0 if FP8 else 0.0
     k_width: gl.constexpr = 256 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, k_width])
@@ -184,6 +202,11 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch,
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)  # FP8: P·V's fresh accumulator (ignored)
+    if FP8:
+        p_smem = p_buffers.index(c)
+        q_scales, k_scales, v_scales, scale_block = scales
+        row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
 
     q = q_smem.index(c)
     if active:
@@ -198,8 +221,18 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch,
         mbarrier.arrive(k_empty.index(0), count=1)
         if n_plain == 0:
             s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
-        p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
-        p = gl.convert_layout(p.to(dtype), p_layout)
+        if FP8:
+            tile_rows = row_scale * _tile_scale(k_scales, 0, BLOCK_N, scale_block)
+            p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                        RESCALE_THRESHOLD, P_LOG2)
+        else:
+            p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                        RESCALE_THRESHOLD, P_LOG2)
+        if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
+            p_smem.store(p.to(dtype))
+            fence_async_shared()
+        else:
+            p = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_own):
             stage = j % STAGES
             prev = (j - 1) % STAGES
@@ -207,25 +240,47 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch,
             mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
             _take_turn(turns, c, j, PINGPONG)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
-            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+            if FP8:
+                pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False, is_async=True)
+            else:
+                o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
             _pass_turn(turns, c, PINGPONG)
             s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
             mbarrier.arrive(k_empty.index(stage), count=1)
             if j >= n_plain:
                 s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
-            p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, RESCALE_THRESHOLD)
-            o, p = warpgroup_mma_wait(0, deps=[o, p])
-            mbarrier.arrive(v_empty.index(prev), count=1)
+            if FP8:
+                tile_rows = row_scale * _tile_scale(k_scales, j, BLOCK_N, scale_block)
+                p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                                 RESCALE_THRESHOLD, P_LOG2)
+                pv = warpgroup_mma_wait(0, deps=[pv])
+                mbarrier.arrive(v_empty.index(prev), count=1)
+                o = o + pv * _tile_scale(v_scales, j - 1, BLOCK_N, scale_block)
+            else:
+                p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                                 RESCALE_THRESHOLD, P_LOG2)
+                o, p = warpgroup_mma_wait(0, deps=[o, p])
+                mbarrier.arrive(v_empty.index(prev), count=1)
             if rescale:
                 o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
+            if FP8:
+                p_smem.store(p_next.to(dtype))
+                fence_async_shared()
+            else:
+                p = gl.convert_layout(p_next.to(dtype), p_layout)
         # slot n_own: the last tile's P·V
         last = (n_own - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((n_own - 1) // STAGES) & 1)
         _take_turn(turns, c, n_own, PINGPONG)
-        o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-        _pass_turn(turns, c, PINGPONG)
-        o = warpgroup_mma_wait(0, deps=[o, p])[0]
+        if FP8:
+            pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
+            _pass_turn(turns, c, PINGPONG)
+            pv = warpgroup_mma_wait(0, deps=[pv])
+            o = o + pv * _tile_scale(v_scales, n_own - 1, BLOCK_N, scale_block)
+        else:
+            o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+            _pass_turn(turns, c, PINGPONG)
+            o = warpgroup_mma_wait(0, deps=[o, p])[0]
         mbarrier.arrive(v_empty.index(last), count=1)
     # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
     # hand over n_all + 1 times (a slot per tile, one for the last P·V): the one with fewer tiles of its own
@@ -246,27 +301,35 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch,
         seen = l_i > 0.0
         inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
         o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_LOG2) * _LN2, float("-inf"))
         lse_row = (batch * n_heads + head).to(gl.int64) * n_q
         gl.store(LSE + lse_row + rows, lse, mask=rows < n_q)
-        # Q's buffer is free once the last S wgmma finished: stage O there for the TMA store (rows >= n_q clipped)
-        q.store(o.to(dtype))
+        # Q's buffer is free once the last S wgmma finished: stage O there for the TMA store (rows >= n_q clipped);
+        # fp8: O (16-bit) has a buffer of its own
+        staged = o_smem.index(c) if FP8 else q
+        staged.store(o.to(o_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0], q.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0],
+                                        staged.reshape([1, BLOCK_M, 1, HEAD_DIM]))
         tma.store_wait(0)
 
 
 # lengths and head counts stay runtime values: one build per (dtype, head dim, causal), whatever the shape
-@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group"])
+@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "scale_block", "scale_blocks_q", "scale_blocks_k"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, qk_scale_log2,
                      CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     PRODUCER_REGS: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None, scale_block=1,
+                     scale_blocks_q=1, scale_blocks_k=1):
     """Grid: (B * Hq, cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D].
-    LSE: float32 (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0)."""
+    LSE: float32 (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0).
+    FP8 (e4m3 q, k, v descriptors; o 16-bit): v's descriptor is over V transposed (B, Hkv, D, keys) with boxes
+    [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k), float32
+    contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
     tile_layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     tile_layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
 
@@ -277,7 +340,21 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
 
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_q)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
+    if FP8:
+        tile_layout_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], tile_layout_vt)
+        tile_layout_o: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], o_desc.dtype)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_o)
+        tile_layout_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+        p_buffers = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout_p)
+        kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
+        scales = (Q_scale + (batch * n_heads + head).to(gl.int64) * scale_blocks_q, K_scale + kv_row,
+                  V_scale + kv_row, scale_block)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
+        o_smem = q_smem  # O is staged in Q's buffer
+        p_buffers = q_smem  # P stays in registers
+        scales = (LSE, LSE, LSE, scale_block)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -296,10 +373,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
 
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
     gl.warp_specialize([
-        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
-                     qk_scale_log2, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
-        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
-                     qk_scale_log2, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
+                     qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
+                     qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, head // group, m_start,
                      n_q, n_k, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -90,19 +90,26 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
     return tuned_config(head_dim, torch.bfloat16, causal, capability, n_q)[0]
 
 
+FP8_BACKENDS = ("auto", "triton", "gluon")
+
+
 def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False, *,
                         q_descale=None, k_descale=None, v_descale=None, hadamard=False,
-                        scale_block=DEFAULT_SCALE_BLOCK, config: FwdConfig | None = None):
+                        scale_block=DEFAULT_SCALE_BLOCK, config: FwdConfig | None = None, backend="auto"):
     """FP8 attention forward with flash-attn's dense layout: q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), causal and
     window_size bottom-right as in `flash_attn_func`. q, k, v either all 16-bit (quantized here per
     `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
     q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
     Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
-    config: a FwdConfig for the launch (block_n a divisor of 128), else `fp8_config`'s."""
+    config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s. backend: "gluon"
+    (sm_90: the warp-specialized kernel; full or causal attention, no other window), "triton", or "auto" (Gluon
+    where it takes the call)."""
     fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
     _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
     if config is not None and (not isinstance(config, FwdConfig) or SCALE_BLOCK_MULTIPLE % config.block_n):
         raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE}, got {config!r}")
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
     left, right = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
     scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
     if not scale > 0:
@@ -131,6 +138,11 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     if n_k == 0:  # no keys: every row is fully masked
         out.zero_()
         lse.fill_(float("-inf"))
+    elif n_q > 0 and batch > 0 and _use_gluon(backend, q.device, dim, left, right, config):
+        from ioattn.ops.gluon_forward import gluon_forward_fp8
+
+        gluon_forward_fp8(q_codes, k_codes, v_codes, (q_scales, k_scales, v_scales, block), causal=right == 0,
+                          softmax_scale=scale, out=out, lse=lse)
     elif n_q > 0 and batch > 0:
         problem = FwdProblem(softmax_scale=scale, window_left=left, window_right=right, bottom_right=True,
                              input_precision="ieee", pack_gqa=False)
@@ -139,6 +151,24 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
                            fp8_scales=(q_scales, k_scales, v_scales, block))
     out = out.to(out_dtype)
     return (out, lse) if return_lse else out
+
+
+def _use_gluon(backend: str, device: torch.device, head_dim: int, left: int, right: int, config) -> bool:
+    """The warp-specialized kernel takes sm_90, D up to 128, full or causal attention (no window), its own
+    tiles."""
+    why_not = None
+    if device_capability(device) != HOPPER:
+        why_not = f"it runs on sm_90 only ({device})"
+    elif head_dim > 128:
+        why_not = (f"head dim {head_dim}: O and each tile's P·V (two 64 x {head_dim} fp32 accumulators) spill at "
+                   "the consumers' registers; D <= 128")
+    elif left >= 0 or right not in (-1, 0):
+        why_not = "it takes full or causal attention only, not a window"
+    elif config is not None:
+        why_not = "config= sets the Triton kernel's tiles"
+    if backend == "gluon" and why_not:
+        raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
+    return backend != "triton" and why_not is None
 
 
 def _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block) -> None:

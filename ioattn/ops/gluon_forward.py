@@ -41,10 +41,20 @@ _CONFIGS = {
     256: GluonConfig(block_n=64, stages=2),  # 64 KB + 2 x 64 KB
 }
 HEAD_DIMS = tuple(_CONFIGS)
+# The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
+_FP8_CONFIGS = {
+    64: GluonConfig(block_n=128, stages=3),  # 8 KB Q + 3 x 16 KB + 16 KB O
+    128: GluonConfig(block_n=128, stages=3),  # 16 KB Q + 3 x 32 KB + 32 KB O
+    256: GluonConfig(block_n=64, stages=3),  # 32 KB Q + 3 x 32 KB + 64 KB O
+}
 
 
 def gluon_config(head_dim: int) -> GluonConfig:
     return _CONFIGS[head_dim]
+
+
+def fp8_gluon_config(head_dim: int) -> GluonConfig:
+    return _FP8_CONFIGS[head_dim]
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
@@ -131,12 +141,49 @@ def _strides(t: torch.Tensor) -> list[int]:
     return strides[::-1]
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
+
+
 def _descriptor(t: torch.Tensor, rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = t.shape[3]
-    layout = tile_layout(rows, d, "bfloat16" if t.dtype == torch.bfloat16 else "float16")
+    layout = tile_layout(rows, d, _GL_DTYPES[t.dtype])
     return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+
+
+def _transposed_descriptor(vt: torch.Tensor, keys: int):
+    """V transposed (B, Hkv, D, N'): boxes [1, 1, D, keys]."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    box = [1, 1, vt.shape[2], keys]
+    layout = gl.NVMMASharedLayout.get_default_for(box, getattr(gl, _GL_DTYPES[vt.dtype]))
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), box, layout)
+
+
+def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales, *, causal: bool,
+                      softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                      config: GluonConfig | None = None) -> None:
+    """The FP8 forward through the warp-specialized kernel (`ioattn.ops.fp8_attention` checked everything):
+    q (B, Nq, Hq, D), k (B, Nk, Hkv, D) e4m3, vt V's codes transposed (B, Hkv, D, Nk' >= Nk, a multiple of 16),
+    scales (q (B, Hq, nq), k (B, Hkv, nk), v (B, Hkv, nk), block) float32, block a multiple of the config's
+    block_n; writes out (16-bit, like q's shape) and lse (B, Hq, Nq)."""
+    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+
+    batch, n_q, hq, d = q.shape
+    n_k, hkv = k.shape[1], k.shape[2]
+    cfg = fp8_gluon_config(d) if config is None else config
+    q_scale, k_scale, v_scale, block = scales
+    grid = (batch * hq, triton.cdiv(n_q, CONSUMERS.value * BLOCK_M))
+    gluon_fwd_kernel[grid](
+        _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
+        _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, softmax_scale * LOG2E,
+        CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
+        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
+        scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -126,6 +126,8 @@ def test_nan_input_is_not_hidden():
         q.to(E4M3), k.to(E4M3), v.to(E4M3), q_descale=torch.ones(1, 1), k_descale=torch.ones(1, 1),
         v_descale=torch.ones(1, 1), hadamard=True), "already e4m3"),
     (lambda q, k, v: ioattn.flash_attn_func(q, k, v, fp8="yes"), "fp8 must be"),
+    (lambda q, k, v: ioattn.flash_attn_fp8_func(q, k, v, backend="cudnn"), "backend must be one of"),
+    (lambda q, k, v: ioattn.flash_attn_fp8_func(q, k, v, backend="gluon"), "sm_90 only"),
     (lambda q, k, v: ioattn.flash_attn_func(q, k, v, fp8=True, backend="torch"), "backend must be"),
     (lambda q, k, v: ioattn.flash_attn_func(q, k, v, v_descale=torch.ones(1, 1)), "go with float8_e4m3fn"),
 ])
@@ -139,13 +141,44 @@ def test_bad_input_is_refused_by_name(call, message):
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("hadamard", [False, True])
-def test_fp8_forward_on_gpu(dim, causal, hadamard):
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
+def test_fp8_forward_on_gpu(dim, causal, hadamard, backend):
+    if backend == "gluon" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized kernel is sm_90 only")
     q, k, v = qkv(2, 1000, 1300, 8, 2, dim, device="cuda")
+    if backend == "gluon" and dim > 128:
+        with pytest.raises(ValueError, match="head dim 256"):
+            ioattn.flash_attn_fp8_func(q, k, v, causal=causal, backend=backend)
+        return
     # Poison: the caching allocator hands the call's outputs blocks that held NaN (a row left unwritten shows).
     poison = q.new_full((64 << 20,), float("nan"))
     del poison
-    out = ioattn.flash_attn_fp8_func(q, k, v, causal=causal, hadamard=hadamard)
+    out = ioattn.flash_attn_fp8_func(q, k, v, causal=causal, hadamard=hadamard, backend=backend)
     torch.cuda.synchronize()
     assert rel(out, reference_on_dequantized(q, k, v, causal, hadamard)) < KERNEL_TOL
     assert rel(out, fa8._reference(q.double(), k.double(), v.double(), causal)) < TOTAL_TOL
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "gluon"])
+def test_fp8_forward_on_gpu_e4m3_inputs_lse_and_short_sequences(backend):
+    if backend == "gluon" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized kernel is sm_90 only")
+    for n_q, n_k in ((1, 1), (70, 5), (5, 300), (129, 129)):
+        q, k, v = qkv(1, n_q, n_k, 4, 2, 128, device="cuda")
+        scales = [t.float().abs().amax(dim=(1, 3)) / 448 for t in (q, k, v)]  # (B, H)
+        scales[0] = scales[0].view(1, 2, 2).amax(-1)  # q's per KV head group
+        codes = [(t.float() / s.repeat_interleave(t.shape[2] // s.shape[1], 1)[:, None, :, None]).to(E4M3)
+                 for t, s in zip((q, k, v), scales)]
+        out, lse = ioattn.flash_attn_fp8_func(*codes, causal=True, q_descale=scales[0], k_descale=scales[1],
+                                              v_descale=scales[2], return_lse=True, backend=backend)
+        deq = [c.double() * s.double().repeat_interleave(c.shape[2] // s.shape[1], 1)[:, None, :, None]
+               for c, s in zip(codes, scales)]
+        assert rel(out, fa8._reference(*deq, True)) < KERNEL_TOL
+        visible = torch.arange(n_k, device="cuda")[None, :] <= torch.arange(n_q, device="cuda")[:, None] + n_k - n_q
+        scores = (deq[0].transpose(1, 2) @ deq[1].repeat_interleave(2, 2).transpose(1, 2).transpose(-1, -2)) / math.sqrt(128)
+        expected = scores.masked_fill(~visible, float("-inf")).logsumexp(-1)
+        seen = visible.any(-1)
+        assert torch.allclose(lse[..., seen].double(), expected[..., seen], atol=2e-2)
+        assert (lse[..., ~seen] == float("-inf")).all()
