@@ -157,9 +157,10 @@ def _release(k_ready, k_empty, v_ready, v_empty, j):
 
 
 @gluon.jit
-def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block):
-    """FP8: the K or V block scale of key tile j (the tile lies in one scale block)."""
-    return gl.load(scales + (j * BLOCK_N) // scale_block)
+def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block, last_block):
+    """FP8: the K or V block scale of key tile j (the tile lies in one scale block); tiles past the end read the
+    last block's (the loop loads one tile ahead)."""
+    return gl.load(scales + gl.minimum((j * BLOCK_N) // scale_block, last_block))
 
 
 @gluon.jit
@@ -205,8 +206,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)  # FP8: P·V's fresh accumulator (ignored)
     if FP8:
         p_smem = p_buffers.index(c)
-        q_scales, k_scales, v_scales, scale_block = scales
+        q_scales, k_scales, v_scales, scale_block, last_block = scales
         row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
+        # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
+        k_scale_next = _tile_scale(k_scales, 0, BLOCK_N, scale_block, last_block)
 
     q = q_smem.index(c)
     if active:
@@ -222,7 +225,9 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
         if n_plain == 0:
             s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
         if FP8:
-            tile_rows = row_scale * _tile_scale(k_scales, 0, BLOCK_N, scale_block)
+            tile_rows = row_scale * k_scale_next
+            k_scale_next = _tile_scale(k_scales, 1, BLOCK_N, scale_block, last_block)
+            v_scale_prev = _tile_scale(v_scales, 0, BLOCK_N, scale_block, last_block)
             p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                         RESCALE_THRESHOLD, P_LOG2)
         else:
@@ -242,6 +247,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
             if FP8:
                 pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False, is_async=True)
+                k_scale = k_scale_next
+                v_scale = v_scale_prev
+                k_scale_next = _tile_scale(k_scales, j + 1, BLOCK_N, scale_block, last_block)
+                v_scale_prev = _tile_scale(v_scales, j, BLOCK_N, scale_block, last_block)
             else:
                 o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
             _pass_turn(turns, c, PINGPONG)
@@ -250,12 +259,12 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             if j >= n_plain:
                 s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
             if FP8:
-                tile_rows = row_scale * _tile_scale(k_scales, j, BLOCK_N, scale_block)
+                tile_rows = row_scale * k_scale
                 p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                                  RESCALE_THRESHOLD, P_LOG2)
                 pv = warpgroup_mma_wait(0, deps=[pv])
                 mbarrier.arrive(v_empty.index(prev), count=1)
-                o = o + pv * _tile_scale(v_scales, j - 1, BLOCK_N, scale_block)
+                o = o + pv * v_scale
             else:
                 p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
                                                                  RESCALE_THRESHOLD, P_LOG2)
@@ -276,7 +285,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
             _pass_turn(turns, c, PINGPONG)
             pv = warpgroup_mma_wait(0, deps=[pv])
-            o = o + pv * _tile_scale(v_scales, n_own - 1, BLOCK_N, scale_block)
+            o = o + pv * v_scale_prev
         else:
             o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
             _pass_turn(turns, c, PINGPONG)
@@ -349,12 +358,12 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         p_buffers = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout_p)
         kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
         scales = (Q_scale + (batch * n_heads + head).to(gl.int64) * scale_blocks_q, K_scale + kv_row,
-                  V_scale + kv_row, scale_block)
+                  V_scale + kv_row, scale_block, scale_blocks_k - 1)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
         o_smem = q_smem  # O is staged in Q's buffer
         p_buffers = q_smem  # P stays in registers
-        scales = (LSE, LSE, LSE, scale_block)
+        scales = (LSE, LSE, LSE, scale_block, scale_blocks_k - 1)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

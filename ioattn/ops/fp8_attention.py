@@ -48,11 +48,12 @@ def hadamard_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     return (kv_rotation(head_dim) / math.sqrt(head_dim)).to(device)
 
 
-def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None = None
+def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None = None, *, transpose: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, N, H, D) 16-bit -> (e4m3 codes (B, N, H, D), float32 scales (B, H, ceil(N / block))), rotated first
     when `rotation` is given: each block of `block` positions of a head divided by its amax / 448, rounded to
-    nearest even. An all-zero block gets scale 1; a NaN stays NaN (its block's scale too)."""
+    nearest even. An all-zero block gets scale 1; a NaN stays NaN (its block's scale too). transpose: the codes
+    as `transposed` lays them out (B, H, D, whole blocks; zeros past N), written in the one pass."""
     batch, n, heads, dim = x.shape
     values = x.float() if rotation is None else x.float() @ rotation
     blocks = -(-n // block)
@@ -61,8 +62,11 @@ def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None =
     limit = fp8_max(FP8_FORWARD_DTYPE)
     scales = torch.where(amax > 0, amax / limit, torch.where(amax.isnan(), amax, 1.0))
     scaled = padded / scales[:, :, None, :, None]
-    codes = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit)).to(FP8_FORWARD_DTYPE)
-    codes = codes.view(batch, blocks * block, heads, dim)[:, :n]
+    clamped = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit))
+    if transpose:  # (B, blocks, block, H, D) -> (B, H, D, blocks x block)
+        codes = clamped.permute(0, 3, 4, 1, 2).reshape(batch, heads, dim, blocks * block).to(FP8_FORWARD_DTYPE)
+    else:
+        codes = clamped.to(FP8_FORWARD_DTYPE).view(batch, blocks * block, heads, dim)[:, :n]
     return codes.contiguous(), scales.permute(0, 2, 1).contiguous()
 
 
@@ -123,16 +127,15 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
         group = heads_q // heads_kv
         q_scales = q_descale.repeat_interleave(group, dim=1)[..., None].contiguous()
         k_scales, v_scales = k_descale[..., None].contiguous(), v_descale[..., None].contiguous()
-        q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), v.contiguous()
+        q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), transposed(v)
     else:
         out_dtype, block = q.dtype, scale_block
         rotation = hadamard_rotation(dim, q.device) if hadamard else None
         q_codes, q_scales = quantize_blocks(q, block, rotation)
         k_codes, k_scales = quantize_blocks(k, block, rotation)
-        v_codes, v_scales = quantize_blocks(v, block)
+        v_codes, v_scales = quantize_blocks(v, block, transpose=True)
     # Triton's interpreter stores bfloat16 by truncation: it writes float32 there, rounded to nearest by torch.
     kernel_dtype = torch.float32 if interpreted() and out_dtype == torch.bfloat16 else out_dtype
-    v_codes = transposed(v_codes)
     out = torch.empty(batch, n_q, heads_q, dim, dtype=kernel_dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n_q, dtype=torch.float32, device=q.device)
     if n_k == 0:  # no keys: every row is fully masked

@@ -182,3 +182,13 @@ def test_fp8_forward_on_gpu_e4m3_inputs_lse_and_short_sequences(backend):
         seen = visible.any(-1)
         assert torch.allclose(lse[..., seen].double(), expected[..., seen], atol=2e-2)
         assert (lse[..., ~seen] == float("-inf")).all()
+
+
+def test_transposed_quantization_matches_the_plain_one():
+    x = torch.randn(2, 200, 3, 64, dtype=torch.bfloat16)
+    codes, scales = fa8.quantize_blocks(x, 128)
+    codes_t, scales_t = fa8.quantize_blocks(x, 128, transpose=True)
+    assert torch.equal(scales_t, scales) and codes_t.shape == (2, 3, 64, 256)
+    plain = fa8.transposed(codes).view(torch.uint8)
+    assert torch.equal(codes_t.view(torch.uint8)[..., :200], plain[..., :200])
+    assert (codes_t.view(torch.uint8)[..., 200:] == 0).all()
