@@ -15,9 +15,10 @@ accumulator, to the fp32 output with the tile's V scale (two-level accumulation,
 more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
 output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
 
-Speed: not yet a speedup. On an H100 it runs at 0.26-0.38x the bf16 forward at D 128 (bench/results/
-2026-12-06-fp8-forward-h100: V's tiles are restaged through shared memory for the fp8 P·V, which wants V
-transposed); it is exact to its recipe and opt-in only.
+Kernels: on sm_90 (D <= 128, full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`,
+FP8 mode), else the Triton forward; V is handed to both transposed (keys contiguous: fp8 wgmma reads only K-major
+operands). Speed: not yet a speedup over bf16. On an H100 the kernel runs at 0.49-1.01x our bf16 forward at D 128
+(bench/results/2026-12-06-fp8-forward-h100: bound by per-tile CUDA-core work, not the tensor cores); opt-in only.
 
 Supported: the dense layout (B, N, H, D), D in 64, 128, 256, GQA, causal and windows (bottom-right), no
 gradient. CUDA needs compute capability 8.9+ (fp8 tensor cores); on the CPU the same kernel runs under Triton's
