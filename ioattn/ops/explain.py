@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ioattn.ops import checks
 from ioattn.ops.dispatch import Plan, plan
 from ioattn.ops.mla import MLAPlan, explain_mla
@@ -14,12 +16,23 @@ def explain(q, k, v=None, *, api: str | None = None, backend: str = "auto", **kw
     `api` is "flash_attn" (q/k/v (B, N, H, D); kwargs of flash_attn_func), "varlen" (packed; kwargs of
     flash_attn_varlen_func), "sdpa" ((B, H, N, D); kwargs of sdpa) or "paged" (k, v are the caches; kwargs of
     paged_attention: block_table, seq_lens, ...; returns the `PagedPlan`) or "mla" (k is the latent cache, v None;
-    kwargs of mla_paged_attention: block_table, seq_lens, v_head_dim, ...; returns the `MLAPlan`). When omitted it
-    is inferred: mla when v_head_dim is given, paged when block_table is given, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale /
-    enable_gqa is given.
+    kwargs of mla_paged_attention: block_table, seq_lens, v_head_dim, ...; returns the `MLAPlan`) or "fp8" (kwargs of
+    flash_attn_fp8_func, or flash_attn_func's fp8=; returns the `FP8Plan`). When omitted it
+    is inferred: mla when v_head_dim is given, paged when block_table is given, fp8 when fp8= is given or q is
+    e4m3, varlen when cu_seqlens_q is given, sdpa when any of attn_mask / is_causal / scale / enable_gqa is given.
     """
     if api is None and "block_table" in kwargs:
         api = "mla" if "v_head_dim" in kwargs else "paged"
+    if api is None and (kwargs.get("fp8") or getattr(q, "dtype", None) == torch.float8_e4m3fn):
+        api = "fp8"
+    if api == "fp8":  # flash_attn_fp8_func's arguments (fp8=True / "hadamard" as flash_attn_func takes them)
+        from ioattn.ops.fp8_attention import plan_fp8
+
+        fp8 = kwargs.pop("fp8", True)
+        kwargs.pop("return_lse", None)
+        if fp8 == "hadamard":
+            kwargs["hadamard"] = True
+        return plan_fp8(q, k, v, backend=backend, **kwargs)
     if api == "mla":
         missing = [name for name in ("block_table", "seq_lens", "v_head_dim") if name not in kwargs]
         if missing:
@@ -53,7 +66,8 @@ def explain(q, k, v=None, *, api: str | None = None, backend: str = "auto", **kw
         inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
                                       kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))
     else:
-        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged', 'mla' (or None to infer), got {api!r}")
+        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged', 'mla', 'fp8' (or None to infer), "
+                         f"got {api!r}")
     if kwargs:
         raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
     return plan(inputs, backend, deterministic=deterministic)

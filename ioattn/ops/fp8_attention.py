@@ -28,6 +28,7 @@ interpreter (whose fp8 products are exact). Anything else raises a ValueError na
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -98,6 +99,55 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
 FP8_BACKENDS = ("auto", "triton", "gluon")
 
 
+@dataclass(frozen=True)
+class FP8Plan:
+    """What `flash_attn_fp8_func` runs for a call (`ioattn.explain(..., api="fp8")` returns it)."""
+
+    kernel: str  # "gluon" (warp-specialized, sm_90) or "triton"
+    config: object  # GluonConfig or FwdConfig
+    reason: str
+    scales: str
+    softmax_scale: float
+    window: tuple[int, int]  # (left, right), -1 unbounded, bottom-right
+
+    def __str__(self) -> str:
+        kernel = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (FP8 mode)" if self.kernel == "gluon"
+                  else "ioattn.kernels.prefill_fwd.prefill_fwd_kernel (FP8=True)")
+        return (f"fp8 forward: {kernel} {self.config}; {self.reason}; scales: {self.scales}; e4m3 Q·Kᵀ and P·V "
+                f"(P x 256 rounded to e4m3), two-level accumulation; window {self.window}")
+
+
+def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *, q_descale=None, k_descale=None,
+             v_descale=None, hadamard=False, scale_block=DEFAULT_SCALE_BLOCK, config: FwdConfig | None = None,
+             backend="auto") -> FP8Plan:
+    """Check a `flash_attn_fp8_func` call (ValueError naming the argument) and choose its kernel."""
+    fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
+    _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
+    if config is not None and (not isinstance(config, FwdConfig) or SCALE_BLOCK_MULTIPLE % config.block_n):
+        raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE}, got {config!r}")
+    if backend not in FP8_BACKENDS:
+        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    window = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
+    scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
+    if not scale > 0:
+        raise ValueError(f"softmax_scale must be > 0 with fp8 attention, got {scale}")
+    dim = q.shape[3]
+    scales = ("one per (sequence, KV head): q_descale / k_descale / v_descale" if fp8_inputs else
+              f"one per {scale_block} positions of each head, quantized here"
+              + (" after the signed Hadamard rotation of Q and K" if hadamard else ""))
+    why_not = _why_not_gluon(q.device, dim, window, config)
+    if backend == "gluon" and why_not:
+        raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
+    if backend != "triton" and why_not is None:
+        from ioattn.ops.gluon_forward import fp8_gluon_config
+
+        return FP8Plan("gluon", fp8_gluon_config(dim), f"backend={backend!r}: sm_90, D {dim}, "
+                       f"{'causal' if window[1] == 0 else 'full'} attention", scales, scale, window)
+    reason = "backend='triton'" if backend == "triton" else f"the Gluon kernel does not take it: {why_not}"
+    chosen = config or fp8_config(dim, window[1] == 0, device_capability(q.device), q.shape[1])
+    return FP8Plan("triton", chosen, reason + ("" if config is None else "; config= given"), scales, scale, window)
+
+
 def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, return_lse=False, *,
                         q_descale=None, k_descale=None, v_descale=None, hadamard=False,
                         scale_block=DEFAULT_SCALE_BLOCK, config: FwdConfig | None = None, backend="auto"):
@@ -107,21 +157,14 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
     Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
     config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s. backend: "gluon"
-    (sm_90: the warp-specialized kernel; full or causal attention, no other window), "triton", or "auto" (Gluon
-    where it takes the call)."""
-    fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
-    _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
-    if config is not None and (not isinstance(config, FwdConfig) or SCALE_BLOCK_MULTIPLE % config.block_n):
-        raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE}, got {config!r}")
-    if backend not in FP8_BACKENDS:
-        raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
-    left, right = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
-    scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
-    if not scale > 0:
-        raise ValueError(f"softmax_scale must be > 0 with fp8 attention, got {scale}")
+    (sm_90: the warp-specialized kernel; D <= 128, full or causal attention), "triton", or "auto" (Gluon where it
+    takes the call). `ioattn.explain(q, k, v, api="fp8", ...)` says which runs and why."""
+    chosen = plan_fp8(q, k, v, causal, window_size, softmax_scale, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale, hadamard=hadamard, scale_block=scale_block, config=config,
+                      backend=backend)
     batch, n_q, heads_q, dim = q.shape
     n_k, heads_kv = k.shape[1], k.shape[2]
-    if fp8_inputs:
+    if q.dtype == FP8_FORWARD_DTYPE:
         out_dtype = torch.bfloat16
         # One scale per sequence: a single block spanning both lengths, a whole number of kernel tiles.
         block = max(SCALE_BLOCK_MULTIPLE, -(-max(n_q, n_k) // SCALE_BLOCK_MULTIPLE) * SCALE_BLOCK_MULTIPLE)
@@ -139,40 +182,37 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     kernel_dtype = torch.float32 if interpreted() and out_dtype == torch.bfloat16 else out_dtype
     out = torch.empty(batch, n_q, heads_q, dim, dtype=kernel_dtype, device=q.device)
     lse = torch.empty(batch, heads_q, n_q, dtype=torch.float32, device=q.device)
+    scales = (q_scales, k_scales, v_scales, block)
     if n_k == 0:  # no keys: every row is fully masked
         out.zero_()
         lse.fill_(float("-inf"))
-    elif n_q > 0 and batch > 0 and _use_gluon(backend, q.device, dim, left, right, config):
+    elif n_q > 0 and batch > 0 and chosen.kernel == "gluon":
         from ioattn.ops.gluon_forward import gluon_forward_fp8
 
-        gluon_forward_fp8(q_codes, k_codes, v_codes, (q_scales, k_scales, v_scales, block), causal=right == 0,
-                          softmax_scale=scale, out=out, lse=lse)
+        gluon_forward_fp8(q_codes, k_codes, v_codes, scales, causal=chosen.window[1] == 0,
+                          softmax_scale=chosen.softmax_scale, out=out, lse=lse, config=chosen.config)
     elif n_q > 0 and batch > 0:
-        problem = FwdProblem(softmax_scale=scale, window_left=left, window_right=right, bottom_right=True,
-                             input_precision="ieee", pack_gqa=False)
-        config = config or fp8_config(dim, right == 0, device_capability(q.device), n_q)
-        launch_prefill_fwd(q_codes, k_codes, v_codes, out, lse, problem, config,
-                           fp8_scales=(q_scales, k_scales, v_scales, block))
+        problem = FwdProblem(softmax_scale=chosen.softmax_scale, window_left=chosen.window[0],
+                             window_right=chosen.window[1], bottom_right=True, input_precision="ieee",
+                             pack_gqa=False)
+        launch_prefill_fwd(q_codes, k_codes, v_codes, out, lse, problem, chosen.config, fp8_scales=scales)
     out = out.to(out_dtype)
     return (out, lse) if return_lse else out
 
 
-def _use_gluon(backend: str, device: torch.device, head_dim: int, left: int, right: int, config) -> bool:
-    """The warp-specialized kernel takes sm_90, D up to 128, full or causal attention (no window), its own
-    tiles."""
-    why_not = None
+def _why_not_gluon(device: torch.device, head_dim: int, window: tuple[int, int], config) -> str | None:
+    """Why the warp-specialized kernel cannot take the call (it takes sm_90, D up to 128, full or causal
+    attention, its own tiles), or None."""
     if device_capability(device) != HOPPER:
-        why_not = f"it runs on sm_90 only ({device})"
-    elif head_dim > 128:
-        why_not = (f"head dim {head_dim}: O and each tile's P·V (two 64 x {head_dim} fp32 accumulators) spill at "
-                   "the consumers' registers; D <= 128")
-    elif left >= 0 or right not in (-1, 0):
-        why_not = "it takes full or causal attention only, not a window"
-    elif config is not None:
-        why_not = "config= sets the Triton kernel's tiles"
-    if backend == "gluon" and why_not:
-        raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
-    return backend != "triton" and why_not is None
+        return f"it runs on sm_90 only ({device})"
+    if head_dim > 128:
+        return (f"head dim {head_dim}: O and each tile's P·V (two 64 x {head_dim} fp32 accumulators) spill at the "
+                "consumers' registers; D <= 128")
+    if window[0] >= 0 or window[1] not in (-1, 0):
+        return "it takes full or causal attention only, not a window"
+    if config is not None:
+        return "config= sets the Triton kernel's tiles"
+    return None
 
 
 def _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block) -> None:

@@ -192,3 +192,16 @@ def test_transposed_quantization_matches_the_plain_one():
     plain = fa8.transposed(codes).view(torch.uint8)
     assert torch.equal(codes_t.view(torch.uint8)[..., :200], plain[..., :200])
     assert (codes_t.view(torch.uint8)[..., 200:] == 0).all()
+
+
+def test_explain_names_the_fp8_kernel_and_why():
+    q, k, v = qkv(1, 8, 8, 2, 1, 64)
+    plan = ioattn.explain(q, k, v, fp8="hadamard", causal=True)
+    assert plan.kernel == "triton" and "sm_90 only" in plan.reason and "Hadamard" in plan.scales
+    assert "prefill_fwd_kernel (FP8=True)" in str(plan) and plan.window == (-1, 0)
+    e4m3 = [t.to(E4M3) for t in (q, k, v)]
+    ones = torch.ones(1, 1)
+    plan = ioattn.explain(*e4m3, q_descale=ones, k_descale=ones, v_descale=ones)
+    assert "one per (sequence, KV head)" in plan.scales
+    with pytest.raises(ValueError, match="q_descale must be"):
+        ioattn.explain(*e4m3)
