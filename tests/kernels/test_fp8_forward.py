@@ -81,17 +81,20 @@ def test_e4m3_inputs_with_descales_match_their_dequantized_reference():
     assert rel(out, fa8._reference(*deq, True)) < KERNEL_TOL
 
 
-def test_hadamard_helps_with_outliers():
-    # FlashAttention-3's test inputs: standard normal with 0.1% of the entries 10-100x larger.
+def test_hadamard_helps_with_outlier_channels():
+    # Outlier channels, as LLM activations have them (2 of 128 channels of Q and K x20 at every position): the
+    # scores' rounding error is dominated by those channels' products, which the rotation spreads over all of
+    # them (measured 0.30 -> 0.066 relative on these inputs; lab/fp8_forward_rmse_cpu.py has the full table,
+    # where outliers at random entries, as in FlashAttention-3's test, gain nothing: e4m3 is floating point).
     torch.manual_seed(2)
     q, k, v = qkv(1, 256, 256, 2, 2, 128, dtype=torch.float32)
-    for t in (q, k, v):
-        hit = torch.rand(t.shape) < 1e-3
-        t[hit] *= torch.empty(int(hit.sum())).uniform_(10, 100)
+    channels = torch.randperm(128)[:2]
+    for t in (q, k):
+        t[..., channels] *= 20
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     plain = fa8.quantization_error(q, k, v)
     rotated = fa8.quantization_error(q, k, v, hadamard=True)
-    assert rotated["rmse"] < plain["rmse"] and rotated["kernel"] < KERNEL_TOL
+    assert rotated["total"] < plain["total"] / 2 and rotated["kernel"] < KERNEL_TOL
 
 
 def test_flash_attn_func_routes_fp8_and_empty_sequences():
