@@ -174,6 +174,8 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
     cfg = fp8_gluon_config(d) if config is None else config
+    if cfg.rescale_threshold > 0:  # P x 2**8 below 2**threshold x 2**8 must stay under e4m3's 448
+        raise ValueError(f"config.rescale_threshold must be 0 for the fp8 forward, got {cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
     grid = (batch * hq, triton.cdiv(n_q, CONSUMERS.value * BLOCK_M))
     gluon_fwd_kernel[grid](
