@@ -69,8 +69,9 @@ def main(path: str) -> None:
             rows.append({"outliers": outliers, "scaling": name, "rmse": sum(rmse) / len(rmse),
                          "relative_error": sum(rel) / len(rel),
                          "kernel_relative_error": sum(kernel) / len(kernel) if kernel else None, "seeds": len(SEEDS)})
+            kernel_part = f"  kernel {rows[-1]['kernel_relative_error']:.2e}" if kernel else ""
             print(f"outliers {outliers:14} {name:30} RMSE {rows[-1]['rmse']:.2e}  relative "
-                  f"{rows[-1]['relative_error']:.2e}" + (f"  kernel {rows[-1]['kernel_relative_error']:.2e}" if kernel else ""))
+                  f"{rows[-1]['relative_error']:.2e}{kernel_part}")
     with open(path, "w") as f:
         json.dump({"shape_bnhd": SHAPE, "rows": rows, "torch": torch.__version__}, f, indent=1)
 

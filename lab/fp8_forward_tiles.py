@@ -5,6 +5,7 @@ and not, for each candidate tile, with the bf16 forward beside it; checks each a
 
     PYTHONPATH=. python3 lab/fp8_forward_tiles.py OUT.json   (CUDA only)
 """
+import functools
 import json
 import sys
 
@@ -35,8 +36,8 @@ def main(path: str) -> None:
             row = {"N": n, "causal": causal, "bf16_tflops": flops / bf16_ms / 1e9, "tiles": {}}
             for tile in (*TILES, "gluon"):
                 options = {"backend": "gluon"} if tile == "gluon" else {"config": tile, "backend": "triton"}
-                run = lambda: flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],  # noqa: E731
-                                                  v_descale=scales[2], **options)
+                run = functools.partial(flash_attn_fp8_func, *codes, causal=causal, q_descale=scales[0],
+                                        k_descale=scales[1], v_descale=scales[2], **options)
                 try:
                     diff = float((run().float() - base).norm() / base.norm())
                     ms = triton.testing.do_bench(run)
@@ -44,7 +45,8 @@ def main(path: str) -> None:
                 except Exception as error:  # noqa: BLE001 (a tile that does not build is reported, the rest run)
                     row["tiles"][str(tile)] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
             rows.append(row)
-            best = max((t for t in row["tiles"].items() if "tflops" in t[1]), key=lambda t: t[1]["tflops"], default=None)
+            timed = [t for t in row["tiles"].items() if "tflops" in t[1]]
+            best = max(timed, key=lambda t: t[1]["tflops"], default=None)
             print(f"N {n} causal {causal}: bf16 {row['bf16_tflops']:.0f} TFLOP/s; "
                   + "; ".join(f"{name}: {r.get('tflops', 0):.0f}" for name, r in row["tiles"].items())
                   + (f"; best / bf16 {best[1]['tflops'] / row['bf16_tflops']:.2f}" if best else ""))

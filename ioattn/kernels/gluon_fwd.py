@@ -382,10 +382,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
 
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
     gl.warp_specialize([
-        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
-                     qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
-        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads, m_start, n_q, n_k,
-                     qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
+                     m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
+        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
+                     m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, head // group, m_start,
                      n_q, n_k, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -66,8 +66,8 @@ def explain(q, k, v=None, *, api: str | None = None, backend: str = "auto", **kw
         inputs = checks.validate_sdpa(q, k, v, kwargs.pop("attn_mask", None), kwargs.pop("is_causal", False),
                                       kwargs.pop("scale", None), kwargs.pop("enable_gqa", False))
     else:
-        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged', 'mla', 'fp8' (or None to infer), "
-                         f"got {api!r}")
+        raise ValueError(f"api must be one of 'flash_attn', 'varlen', 'sdpa', 'paged', 'mla', 'fp8' (or None to "
+                         f"infer), got {api!r}")
     if kwargs:
         raise ValueError(f"unexpected keyword arguments for api={api!r}: {sorted(kwargs)}")
     return plan(inputs, backend, deterministic=deterministic)
