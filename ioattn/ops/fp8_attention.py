@@ -9,9 +9,9 @@ Two ways in, both through `flash_attn_fp8_func`:
 - e4m3 q, k, v already quantized, with flash-attn 3's `q_descale`, `k_descale`, `v_descale`: float32
   (batch, num_heads_k), one scale per sequence and KV head (`q_descale` applies to the KV head's query group).
 
-Both kernels (below) multiply each score tile by its row's Q scale and the tile's K scale, round the probabilities to e4m3 after x 256, and add each tile's P·V, computed in a fresh
-accumulator, to the fp32 output with the tile's V scale (two-level accumulation, so no fp8 accumulation spans
-more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
+Both kernels (below) multiply each score tile by its row's Q scale and the tile's K scale, round the
+probabilities to e4m3 after x 256, and add each tile's P·V, computed in a fresh accumulator, to the fp32 output
+with the tile's V scale (two-level accumulation, so no fp8 accumulation spans more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
 output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
 
 Kernels: on sm_90 (D <= 128, full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`,
