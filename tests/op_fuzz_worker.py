@@ -395,7 +395,55 @@ def run_mla(case, device):
     return _compare("out", out, torch.cat(outs), dtype)
 
 
-RUNNERS = {"flash_attn_func": run_dense, "flash_attn_varlen_func": run_varlen, "sdpa": run_sdpa,
+# The fp8 forward rounds the probabilities to e4m3 (~2% of the output on random inputs, more on a handful of rows):
+# judged against float64 on its dequantized inputs with this much room.
+FP8_FORWARD_TOL = 6e-2
+
+
+def run_fp8_forward(case, device):
+    from ioattn.ops import fp8_attention as fa8
+
+    gen = torch.Generator().manual_seed(case["seed"])
+    dtype = DTYPES[case["dtype"]]
+    b, nq, nk, hq, hkv, d = (case[k] for k in ("B", "Nq", "Nk", "Hq", "Hkv", "D"))
+    q, k, v = (_random(shape, dtype, gen, device) for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d)))
+    rules = dict(causal=case["causal"], window_size=tuple(case["window"]), softmax_scale=case["scale"])
+    if case["mode"] != "e4m3":
+        hadamard, block = case["mode"] == "hadamard", case["scale_block"]
+        out = ioattn.flash_attn_fp8_func(q, k, v, **rules, hadamard=hadamard, scale_block=block,
+                                         backend=case["backend"])
+        rotation = fa8.hadamard_rotation(d, q.device) if hadamard else None
+        deq = [fa8.dequantize_blocks(*fa8.quantize_blocks(t, block, rot), block)
+               for t, rot in ((q, rotation), (k, rotation), (v, None))]
+    elif hkv <= 0 or hq % hkv:  # hostile head counts: unit descales (B, Hkv); the op refuses the heads
+        codes = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+        descales = [torch.ones(b, max(hkv, 0), device=device) for _ in range(3)]
+        descales = [descales[0], *_corrupt_scales(case["descales"], descales[1:])]
+        out = ioattn.flash_attn_fp8_func(*codes, **rules, q_descale=descales[0], k_descale=descales[1],
+                                         v_descale=descales[2], backend=case["backend"])
+        return f"hostile heads ({hq}, {hkv}) were not refused"
+    else:  # e4m3 inputs with per-(sequence, KV head) descales, one of them possibly corrupted
+        descales, codes = [], []
+        for t, group in zip((q, k, v), (hq // hkv, 1, 1)):
+            heads = t.shape[2] // group
+            amax = t.float().reshape(b, t.shape[1], heads, -1).abs().amax(dim=(1, 3)) if t.numel() else \
+                torch.ones(b, heads, device=device)
+            scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+            descales.append(scale)
+            codes.append((t.float() / scale.repeat_interleave(group, 1)[:, None, :, None]).to(torch.float8_e4m3fn))
+        descales = [descales[0], *_corrupt_scales(case["descales"], descales[1:])]
+        out = ioattn.flash_attn_fp8_func(*codes, **rules, q_descale=descales[0], k_descale=descales[1],
+                                         v_descale=descales[2], backend=case["backend"])
+        deq = [c.double() * s.double().repeat_interleave(c.shape[2] // s.shape[1], 1)[:, None, :, None]
+               for c, s in zip(codes, descales)]
+    ref, _ = attention_ref(*deq, **rules)
+    if out.numel() == 0:
+        return None if out.shape == ref.shape else f"out shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = rel_error(out, ref)
+    return None if err <= FP8_FORWARD_TOL else f"out rel error {err:.3g} > {FP8_FORWARD_TOL:.0e}"
+
+
+RUNNERS = {"flash_attn_func": run_dense, "flash_attn_fp8_func": run_fp8_forward, "flash_attn_varlen_func": run_varlen, "sdpa": run_sdpa,
            "paged_attention": run_paged, "reshape_and_cache": run_cache_write, "copy_blocks": run_block_copy,
            "swap_blocks": run_block_copy, "mla_paged_attention": run_mla}
 

@@ -29,7 +29,7 @@ ARGUMENT_WORDS = ("q", "k", "v", "key", "value", "query", "cu_seqlens", "max_seq
                   "scale", "backend", "deterministic", "block_table", "seq_lens", "slot_mapping", "block_mapping",
                   "k_cache", "v_cache", "attn_mask", "num_splits", "sink_tokens", "head", "dtype", "src", "dst",
                   "sequence", "gather", "causal", "enable_gqa", "cache", "heads", "k_scale", "v_scale",
-                  "latent_cache", "v_head_dim")
+                  "latent_cache", "v_head_dim", "scale_block", "q_descale", "k_descale", "v_descale", "config")
 
 
 class Worker:
@@ -124,6 +124,21 @@ def dense_cases(draw):
             backend=BAD_BACKENDS, deterministic=st.sampled_from([1, "yes"]), causal=st.sampled_from([1, None])))
     case["Hq"], case["Hkv"] = case.pop("heads")
     return dict(op="flash_attn_func", **case)
+
+
+@st.composite
+def fp8_forward_cases(draw):
+    case = knobs(draw, dict(
+        seed=SEEDS, dtype=st.sampled_from(["float16", "bfloat16"]), B=st.integers(0, 2), Nq=st.integers(0, 20),
+        Nk=st.integers(0, 20), heads=HEADS, D=st.sampled_from([64, 128]), causal=st.booleans(), window=WINDOWS,
+        scale=SCALES, backend=st.sampled_from(["auto", "triton", "gluon"]),
+        mode=st.sampled_from(["quantize", "hadamard", "e4m3"]), scale_block=st.sampled_from([128, 256]),
+        descales=st.just("ok"),
+    ), dict(dtype=BAD_DTYPES, heads=BAD_HEADS, D=st.sampled_from([0, 48, 96, 264]), window=BAD_WINDOWS,
+            scale=BAD_SCALES, backend=BAD_BACKENDS, scale_block=st.sampled_from([64, 100, 0, "x"]),
+            descales=BAD_SCALES_FP8))
+    case["Hq"], case["Hkv"] = case.pop("heads")
+    return dict(op="flash_attn_fp8_func", **case)
 
 
 @st.composite
@@ -229,6 +244,12 @@ def block_copy_cases(draw):
 @fuzz_settings
 @given(case=dense_cases())
 def test_flash_attn_func_fuzz(worker, case):
+    check(worker, case)
+
+
+@fuzz_settings
+@given(case=fp8_forward_cases())
+def test_flash_attn_fp8_func_fuzz(worker, case):
     check(worker, case)
 
 
