@@ -174,19 +174,21 @@ def flash_attn_func(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=N
 
     FP8 forward (inference, `ioattn.ops.fp8_attention`): fp8=True quantizes 16-bit q, k, v to e4m3 per 128
     positions of each head, fp8="hadamard" rotates Q and K first; or e4m3 q, k, v with flash-attn 3's
-    q_descale / k_descale / v_descale, float32 (B, Hkv).
+    q_descale / k_descale / v_descale, float32 (B, Hkv). backend then picks its kernel ("auto", "triton" or
+    "gluon", as `flash_attn_fp8_func` takes them).
     """
     if fp8 is not False or (isinstance(q, torch.Tensor) and q.dtype == torch.float8_e4m3fn):
         if fp8 not in (False, True, "hadamard"):
             raise ValueError(f"fp8 must be False, True or 'hadamard', got {fp8!r}")
-        if deterministic or backend not in ("auto", "triton"):
-            raise ValueError(f"the fp8 forward runs the Triton kernel without a backward: backend must be 'auto' "
-                             f"or 'triton' and deterministic unset, got backend={backend!r}, "
-                             f"deterministic={deterministic!r}")
-        from ioattn.ops.fp8_attention import flash_attn_fp8_func
+        from ioattn.ops.fp8_attention import FP8_BACKENDS, flash_attn_fp8_func
 
+        if deterministic or backend not in FP8_BACKENDS:
+            raise ValueError(f"the fp8 forward has no backward and no torch path: backend must be one of "
+                             f"{FP8_BACKENDS} and deterministic unset, got backend={backend!r}, "
+                             f"deterministic={deterministic!r}")
         return flash_attn_fp8_func(q, k, v, causal, window_size, softmax_scale, return_lse, q_descale=q_descale,
-                                   k_descale=k_descale, v_descale=v_descale, hadamard=fp8 == "hadamard")
+                                   k_descale=k_descale, v_descale=v_descale, hadamard=fp8 == "hadamard",
+                                   backend=backend)
     if q_descale is not None or k_descale is not None or v_descale is not None:
         raise ValueError("q_descale / k_descale / v_descale go with float8_e4m3fn q, k, v (the fp8 forward)")
     checks.check_backend(backend, checks.ATTENTION_BACKENDS)

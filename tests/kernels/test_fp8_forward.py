@@ -99,7 +99,7 @@ def test_hadamard_helps_with_outlier_channels():
 
 def test_flash_attn_func_routes_fp8_and_empty_sequences():
     q, k, v = qkv(1, 33, 17, 2, 1, 64)
-    routed = ioattn.flash_attn_func(q, k, v, fp8="hadamard")
+    routed = ioattn.flash_attn_func(q, k, v, fp8="hadamard", backend="triton")
     assert torch.equal(routed, ioattn.flash_attn_fp8_func(q, k, v, hadamard=True))
     out, lse = ioattn.flash_attn_fp8_func(q, k[:, :0], v[:, :0], return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all()
@@ -132,6 +132,8 @@ def test_nan_input_is_not_hidden():
     (lambda q, k, v: ioattn.flash_attn_fp8_func(q, k, v, backend="cudnn"), "backend must be one of"),
     (lambda q, k, v: ioattn.flash_attn_fp8_func(q, k, v, backend="gluon"), "sm_90 only"),
     (lambda q, k, v: ioattn.flash_attn_func(q, k, v, fp8=True, backend="torch"), "backend must be"),
+    (lambda q, k, v: ioattn.flash_attn_func(q, k, v, fp8=True, backend="gluon"), "sm_90 only"),
+    (lambda q, k, v: ioattn.flash_attn_func(q, k, v, fp8=True, deterministic=True), "deterministic"),
     (lambda q, k, v: ioattn.flash_attn_func(q, k, v, v_descale=torch.ones(1, 1)), "go with float8_e4m3fn"),
 ])
 def test_bad_input_is_refused_by_name(call, message):
