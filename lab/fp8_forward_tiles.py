@@ -14,7 +14,7 @@ import triton
 
 import ioattn
 from ioattn.ops.forward import FwdConfig
-from ioattn.ops.fp8_attention import FP8_FORWARD_DTYPE, flash_attn_fp8_func
+from ioattn.ops.fp8_attention import flash_attn_fp8_func, quantize_per_head
 
 # The first is the default (`fp8_config`); the rest were faster or close in the first sweeps.
 TILES = [FwdConfig(64, 128, 4, 2), FwdConfig(64, 128, 4, 3), FwdConfig(64, 64, 4, 2), FwdConfig(64, 128, 8, 2),
@@ -27,8 +27,7 @@ def main(path: str) -> None:
         for causal in (False, True):
             b, h, d = 16384 // n, 16, 128
             q, k, v = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-            scales = [t.float().abs().amax(dim=(1, 3)) / 448 for t in (q, k, v)]  # (B, H)
-            codes = [(t.float() / s[:, None, :, None]).to(FP8_FORWARD_DTYPE) for t, s in zip((q, k, v), scales)]
+            codes, scales = zip(*(quantize_per_head(t) for t in (q, k, v)))
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             bf16_ms = triton.testing.do_bench(lambda: ioattn.flash_attn_func(q, k, v, causal=causal))
             base = flash_attn_fp8_func(*codes, causal=causal, q_descale=scales[0], k_descale=scales[1],

@@ -167,22 +167,13 @@ def _run_ioattn(case: Case, qkv, args) -> Runner:
 def _run_ioattn_fp8(name: str, case: Case, qkv, args) -> Runner:
     if args.backward:
         raise harness.Skip("unsupported: the fp8 forward has no backward")
-    from ioattn.ops.fp8_attention import FP8_FORWARD_DTYPE, flash_attn_fp8_func
+    from ioattn.ops.fp8_attention import flash_attn_fp8_func, quantize_per_head
 
     q, k, v = _leaves(qkv, False, False)
     if name == "ioattn-fp8-quant":
         return Runner(lambda: flash_attn_fp8_func(q, k, v, causal=case.causal), (q, k, v), False,
                       "fp8 forward, block scales per 128 positions, quantized in the call")
-    limit = torch.finfo(FP8_FORWARD_DTYPE).max
-
-    def per_kv_head(t: torch.Tensor, heads_per_scale: int):  # (B, N, H, D) -> codes, (B, H / heads_per_scale)
-        b, n, h, d = t.shape
-        amax = t.float().view(b, n, h // heads_per_scale, heads_per_scale, d).abs().amax(dim=(1, 3, 4))
-        scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
-        codes = (t.float() / scale.repeat_interleave(heads_per_scale, 1)[:, None, :, None]).to(FP8_FORWARD_DTYPE)
-        return codes, scale
-
-    (qc, qs), (kc, ks), (vc, vs) = per_kv_head(q, case.group), per_kv_head(k, 1), per_kv_head(v, 1)
+    (qc, qs), (kc, ks), (vc, vs) = quantize_per_head(q, case.group), quantize_per_head(k), quantize_per_head(v)
     return Runner(lambda: flash_attn_fp8_func(qc, kc, vc, causal=case.causal, q_descale=qs, k_descale=ks,
                                               v_descale=vs), (q, k, v), False,
                   "fp8 forward on e4m3 inputs, one descale per (sequence, KV head)")

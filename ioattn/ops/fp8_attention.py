@@ -71,6 +71,23 @@ def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None =
     return codes.contiguous(), scales.permute(0, 2, 1).contiguous()
 
 
+def quantize_per_head(x: torch.Tensor, heads_per_scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, N, H, D) -> (e4m3 codes (B, N, H, D), float32 descales (B, H / heads_per_scale)): flash-attn 3's
+    inputs, one scale per sequence and group of `heads_per_scale` heads (Q: its KV head's query group), amax / 448
+    (1 for an all-zero group), rounded to nearest even, saturated."""
+    batch, n, heads, dim = x.shape
+    if heads_per_scale < 1 or heads % heads_per_scale:
+        raise ValueError(f"heads_per_scale must divide the {heads} heads, got {heads_per_scale}")
+    groups = heads // heads_per_scale
+    limit = fp8_max(FP8_FORWARD_DTYPE)
+    grouped = x.float().reshape(batch, n, groups, heads_per_scale * dim)
+    amax = grouped.abs().amax(dim=(1, 3)) if n else torch.zeros(batch, groups, device=x.device)
+    scales = torch.where(amax > 0, amax / limit, torch.where(amax.isnan(), amax, 1.0))
+    scaled = grouped / scales[:, None, :, None]
+    codes = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit)).to(FP8_FORWARD_DTYPE)
+    return codes.reshape(batch, n, heads, dim), scales
+
+
 def transposed(codes: torch.Tensor) -> torch.Tensor:
     """V's codes (B, N, H, D) as (B, H, D, N') with N' the next multiple of 16 (a tensor descriptor's row stride is
     16-byte aligned), keys contiguous: the operand layout of the kernel's fp8 P·V."""

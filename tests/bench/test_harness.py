@@ -265,6 +265,22 @@ def test_bench_prefill_quick_runs_on_cpu_through_the_torch_backend(tmp_path):
     assert all("torch" in r.used for r in ours)  # auto picks the exact tiled torch path for CPU tensors
 
 
+def test_bench_prefill_fp8_backends_on_cpu(tmp_path):
+    # The FP8 forward's two rows (e4m3 inputs with descales; quantized in the call) on the interpreter: measured,
+    # with the error against float64 on the original bf16 inputs; the backward is refused by name.
+    json_path = tmp_path / "fp8.json"
+    argv = ["--dims", "64", "--seqlens", "64", "--tokens", "64", "--model-dim", "128", "--gqa", "1", "--causal",
+            "yes", "--dtype", "bfloat16", "--backends", "ioattn-fp8,ioattn-fp8-quant", "--warmup-ms", "0",
+            "--rep-ms", "1", "--json", str(json_path)]
+    assert prefill.main(argv) == 0
+    _, rows = harness.read_json(json_path)
+    assert {r.backend for r in rows} == {"ioattn-fp8", "ioattn-fp8-quant"}
+    assert all(r.status == "ok" and 0 < r.error < 8e-2 for r in rows)
+    assert prefill.main(argv[:-2] + ["--backward", "--json", str(json_path)]) == 0
+    _, rows = harness.read_json(json_path)
+    assert all("no backward" in r.status for r in rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backward", [False, True])
 def test_bench_prefill_on_the_gpu_with_every_peer(tmp_path, backward):

@@ -210,3 +210,19 @@ def test_explain_names_the_fp8_kernel_and_why():
     assert "one per (sequence, KV head)" in plan.scales
     with pytest.raises(ValueError, match="q_descale must be"):
         ioattn.explain(*e4m3)
+
+
+def test_quantize_per_head_makes_flash_attn_3_inputs():
+    x = torch.randn(2, 33, 4, 64, dtype=torch.bfloat16)
+    x[1, :, 2:] = 0  # an all-zero group: scale 1
+    codes, scales = fa8.quantize_per_head(x, heads_per_scale=2)
+    assert codes.dtype == E4M3 and codes.shape == x.shape and scales.shape == (2, 2)
+    assert scales[1, 1] == 1 and (codes[1, :, 2:].float() == 0).all()
+    amax = x[0, :, :2].float().abs().max()
+    assert torch.isclose(scales[0, 0], amax / 448) and codes[0, :, :2].float().abs().max() == 448
+    back = codes.double() * scales.double().repeat_interleave(2, 1)[:, None, :, None]
+    assert rel(back[0].to(torch.float32), x[0].double()) < 0.04  # e4m3: 3 mantissa bits
+    x[0, 5, 1, 7] = float("nan")
+    assert fa8.quantize_per_head(x, 2)[1][0, 0].isnan()
+    with pytest.raises(ValueError, match="heads_per_scale"):
+        fa8.quantize_per_head(x, 3)
