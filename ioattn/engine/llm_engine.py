@@ -101,8 +101,8 @@ class LLMEngine:
         self.num_steps = 0
         self.num_overlapped_steps = 0
         self.num_discarded_tokens = 0  # scheduled after a sequence's last token, before that token landed
-        # Wall time inside step(), and the part of it the host spent waiting for sampled tokens: their difference
-        # is the host's own work, which bounds the step rate once it exceeds the device's.
+        # Wall time inside step(), and the part of it spent waiting for sampled tokens to reach the host: the rest
+        # is the host's work (and any synchronizing call inside it).
         self.step_seconds = 0.0
         self.device_wait_seconds = 0.0
 
