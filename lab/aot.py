@@ -9,6 +9,7 @@ pressure were found (see ioattn/kernels/paged_attention.py).
         --forward [--block-m 128] [--head-dim 128] [--causal] [--pointers] [--fp8 e4m3]  # the dense forward
         --mla [--block-h 16] [--prefill --block-m 64]                          # the absorbed MLA kernel
         --gluon [--head-dim 128] [--causal] [--fp16 | --fp8 e4m3] [--stages N] [--block-n N]  # the Gluon forward
+        --gluon-paged [--fp8 e4m3|e5m2] [--head-dim 128] [--block-n 32] [--stages 4] [--maxnreg 80] [--page 16]
         ... [--sass]                                            # also the SASS instruction count by opcode
 
 prints, for one configuration (bf16; paged: 32/8 heads, D=128; forward: 32/8 heads, the dense (B, N, H, D)
@@ -146,6 +147,34 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
 
 
+def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg=80, page=16, query="bf16"):
+    """The Gluon paged decode (`PagedConfig(kernel="gluon")`) for 32/8 heads: cache "e4m3" / "e5m2" (fp8) or
+    "bf16" / "fp16" (the queries' dtype), TMA boxes of min(page, block_n) slots."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ioattn.kernels.gluon_paged import gluon_paged_decode_kernel as kernel
+
+    fp8 = cache in ("e4m3", "e5m2")
+    name, gl_name = {"e4m3": ("fp8e4nv", "float8e4nv"), "e5m2": ("fp8e5", "float8e5"), "bf16": ("bf16", "bfloat16"),
+                     "fp16": ("fp16", "float16")}[cache]
+    query = query if fp8 else cache
+    rows = min(page, block_n)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, head_dim], getattr(gl, gl_name))
+    desc = f"tensordesc<{name}[{rows}, {head_dim}],{layout!r}>"
+    types = {n: "i32" for n in kernel.arg_names}
+    types.update(k_desc=desc, v_desc=desc, Q=f"*{query}", Block_table="*i32", Seq_lens="*i32", Out="*fp32",
+                 Lse="*fp32", K_scale="*fp32", V_scale="*fp32", scale_log2="fp32")
+    constexprs = dict(GROUP=4, BLOCK_N=block_n, PAGE=page, STAGES=stages)
+    if not fp8:
+        constexprs.update(K_scale=None, V_scale=None)
+    aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
+    sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
+    src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
+                         {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(src, target=TARGET, options=dict(num_warps=4, maxnreg=maxnreg))
+
+
 def mla_kernel(block_h, tokens, block_n, warps, stages, page, decode, maxnreg=None):
     """The absorbed MLA kernel as `ioattn.ops.mla` launches it for DeepSeek-V3's latent 512 + rope 64, bf16."""
     from ioattn.kernels.mla_attention import mla_attention_kernel as kernel
@@ -184,8 +213,13 @@ def main() -> None:
     p.add_argument("--fp16", action="store_true", help="gluon and paged: fp16 instead of bf16 (queries)")
     p.add_argument("--sass", action="store_true", help="also count the SASS instructions by opcode")
     p.add_argument("--no-pingpong", action="store_true", help="gluon: consumers issue their wgmmas unordered")
+    p.add_argument("--gluon-paged", action="store_true", help="the Gluon paged decode (sm_90)")
     args = p.parse_args()
-    if args.gluon:
+    if args.gluon_paged:
+        cache = args.fp8 or ("fp16" if args.fp16 else "bf16")
+        kernel = gluon_paged_kernel(cache, args.head_dim, args.block_n or 32, args.stages or 4, args.maxnreg or 80,
+                                    args.page, "fp16" if args.fp16 else "bf16")
+    elif args.gluon:
         kernel = gluon_forward_kernel(args.head_dim, args.causal,
                                       "fp8" if args.fp8 == "e4m3" else "fp16" if args.fp16 else "bf16", args.stages,
                                       args.block_n, False if args.no_pingpong else None)

@@ -1,7 +1,8 @@
 # Sourced by the lab's device-call scripts after they set PYTHONPATH: $OUT made, everything after this tee'd to
 # $OUT/$1, `step` prints the seconds since the start before each stage, and the device and versions are printed.
 # `fp8_gpu_tests SECONDS WORKERS` runs the GPU tests of fp8 caches, the paged kernel and the fp8 engine into
-# $OUT/gpu-tests.txt and prints their summary.
+# $OUT/gpu-tests.txt and prints their summary; `fp8_decode_bench SECONDS` runs `ioattn bench decode` over fp8 and
+# bf16 caches beside cuDNN at the W2 4/7 bar's rows into $OUT/decode-fp8.{json,txt} and prints its tables.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/$1") 2>&1
@@ -16,4 +17,10 @@ fp8_gpu_tests() {
         tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py tests/engine/test_fp8_engine.py \
         > "$OUT/gpu-tests.txt" 2>&1
     echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+}
+fp8_decode_bench() {
+    timeout "$1" python3 -m ioattn.cli bench decode --kv-cache-dtype fp8_e4m3 --backends ioattn-paged,torch-cudnn \
+        --heads 32/8 --batches 8,64,256 --seqlens 4096,32768 --long-seqlens 131072 --no-prefill \
+        --budget-s $(( $1 - 30 )) --json "$OUT/decode-fp8.json" > "$OUT/decode-fp8.txt" 2>&1
+    echo "bench exit $?"; grep -E "^\|" "$OUT/decode-fp8.txt" | head -40
 }

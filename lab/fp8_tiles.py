@@ -85,14 +85,21 @@ def decode_inputs(batch: int, length: int, device: str):
     return case, q, k, torch.randn_like(k), torch.full((batch,), length, dtype=torch.int32, device=device)
 
 
+def with_fp8(q, k, v):
+    """(k8, v8, k_scale, v_scale, ref8, ref): the e4m3 cache of k, v and the float64 references of the first
+    sequence's decode over the dequantized fp8 cache and over the 16-bit one."""
+    k8, v8, k_scale, v_scale = fp8_inputs(k, v, torch.float8_e4m3fn)
+    ref8, _ = attention_ref(q[:1, None], dequantize(k8[:1], k_scale, torch.float64),
+                            dequantize(v8[:1], v_scale, torch.float64))
+    ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
+    return k8, v8, k_scale, v_scale, ref8, ref
+
+
 def main() -> None:
     out_dir, args, result = run_setup("lab/fp8_tiles.py")
     for batch, length in SHAPES:
         case, q, k, v, lens = decode_inputs(batch, length, args.device)
-        k8, v8, k_scale, v_scale = fp8_inputs(k, v, torch.float8_e4m3fn)
-        ref8, _ = attention_ref(q[:1, None], dequantize(k8[:1], k_scale, torch.float64),
-                                dequantize(v8[:1], v_scale, torch.float64))
-        ref, _ = attention_ref(q[:1, None], k[:1], v[:1])
+        k8, v8, k_scale, v_scale, ref8, ref = with_fp8(q, k, v)
         trials = [("bf16", None, k, v, None, None, ref, case.kv_bytes)]
         trials += [("fp8_e4m3", c, k8, v8, k_scale, v_scale, ref8, case.kv_bytes_at(1)) for c in CONFIGS]
         for name, config, kc, vc, ks, vs, expected, kv_bytes in trials:

@@ -19,8 +19,5 @@ for r in rows:
           f"{r.get('tbps', float('nan')):5.2f} TB/s err {r.get('error', float('nan')):.2e} {r.get('status', '')}")
 PY
 step "2. ioattn bench decode, fp8 beside bf16 and cuDNN, the bar's rows"
-timeout 250 python3 -m ioattn.cli bench decode --kv-cache-dtype fp8_e4m3 --backends ioattn-paged,torch-cudnn \
-    --heads 32/8 --batches 8,64,256 --seqlens 4096,32768 --long-seqlens 131072 --no-prefill --budget-s 220 \
-    --json "$OUT/decode-fp8.json" > "$OUT/decode-fp8.txt" 2>&1
-echo "bench exit $?"; grep -E "^\|" "$OUT/decode-fp8.txt" | head -40
+fp8_decode_bench 250
 step "done"

@@ -261,7 +261,8 @@ def _ioattn_row(name: str, case: Case, inputs, ref, block: int, shuffled: bool, 
     forward, out, plan, restore = paged_decode_runner(case, *inputs, block=block, shuffled=shuffled, layers=layers)
     extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": block,
              "layers": layers}
-    add(name, forward, lambda: out[0], f"paged_attention block {block}, {plan.num_splits} splits", extra)
+    add(name, forward, lambda: out[0], f"paged_attention ({plan.config.kernel} kernel) block {block}, "
+        f"{plan.num_splits} splits", extra)
     del forward  # its layer copies, before the tuning trials and the peers allocate theirs
     restore()
     if args.tune and name == "ioattn-paged":
@@ -295,8 +296,9 @@ def _fp8_row(case: Case, q, k, v, lens, add, args) -> None:
                                                       layers=layers, k_scale=k_scale, v_scale=v_scale)
     extra = {"splits": plan.num_splits, "config": dataclasses.asdict(plan.config), "block_size": PAGED_BLOCK,
              "layers": layers, "kv_cache_dtype": args.kv_cache_dtype}
-    add(FP8_BACKEND, forward, lambda: out[0], f"paged_attention block {PAGED_BLOCK}, {args.kv_cache_dtype} cache, "
-        f"{plan.num_splits} splits", extra, kv_bytes=kv_bytes, row_layers=layers, row_ref=ref8[0, 0])
+    add(FP8_BACKEND, forward, lambda: out[0], f"paged_attention ({plan.config.kernel} kernel) block {PAGED_BLOCK}, "
+        f"{args.kv_cache_dtype} cache, {plan.num_splits} splits", extra, kv_bytes=kv_bytes, row_layers=layers,
+        row_ref=ref8[0, 0])
     del forward
     restore()
     if args.tune:

@@ -68,9 +68,12 @@ class PagedConfig:
     num_stages: int = 2
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, a few spills)
     paired_tiles: bool = False  # whole K/V tiles two per loop step: twice the bytes in flight per program
+    kernel: str = "triton"  # "gluon": the sm_90 decode with cp.async stages (`ioattn.kernels.gluon_paged`)
 
     def __post_init__(self):
         check_launch_config(self)
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"PagedConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
 
 
 def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,
@@ -87,6 +90,31 @@ def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode
         # 8 warps capped at 128 registers: two programs per SM (bench/results/2026-12-01-explore2-h200.json)
         return PagedConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128)
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+# The Gluon decode (`PagedConfig(kernel="gluon")`, sm_90) where it was measured faster than the Triton kernel: head
+# dim 128, fp8 and 16-bit caches (bench/results/2026-12-06-gluon-decode-h100). Other head dims run the Triton
+# kernel by default; config= asks for either.
+GLUON_DECODE_DEFAULTS = {
+    ("fp8", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
+    ("16-bit", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
+}
+
+
+def gluon_decode_default(q, k_cache, v_cache, *, decode: bool, window_left: int, sink_tokens: int
+                         ) -> tuple[PagedConfig | None, str]:
+    """(the Gluon decode's config, why) where the default plan takes it, else (None, why not)."""
+    from ioattn.ops.gluon_paged import gluon_decode_unsupported
+
+    why_not = gluon_decode_unsupported(q, k_cache, v_cache, decode=decode, window_left=window_left,
+                                       sink_tokens=sink_tokens)
+    if why_not is not None:
+        return None, why_not
+    kind = "fp8" if is_fp8(k_cache.dtype) else "16-bit"
+    config = GLUON_DECODE_DEFAULTS.get((kind, q.shape[2]))
+    if config is None:
+        return None, f"the Gluon decode was not measured faster for {kind} caches at head_dim {q.shape[2]}"
+    return config, f"sm_90, {kind} cache, head_dim {q.shape[2]}: the Gluon decode (measured faster)"
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,
@@ -185,7 +213,9 @@ class PagedPlan:
             return f"torch: {torch_paged.DESCRIPTION}" + (f" ({self.reason})" if self.reason else "") + cache
         if self.gather:
             return f"gather the paged context + dense varlen forward ({self.reason})" + cache
-        launch = (f"paged_attention_kernel BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
+        name = ("gluon_paged_decode_kernel (sm_90: TMA page loads by a producer warp, mma.sync)"
+                if self.config.kernel == "gluon" else "paged_attention_kernel")
+        launch = (f"{name} BLOCK_M={self.rows} BLOCK_N={self.config.block_n} "
                   f"num_warps={self.config.num_warps} num_stages={self.config.num_stages}"
                   + ("" if self.config.maxnreg is None else f" maxnreg={self.config.maxnreg}")
                   + (" paired tiles" if self.config.paired_tiles else ""))
@@ -219,8 +249,11 @@ def _cache_words(dtype: torch.dtype, backend: str, gather: bool, float16_dots: b
 def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q: int, num_splits: int = 0,
                          config: PagedConfig | None = None, workspace: PagedWorkspace | None = None,
                          window_left: int = -1, sink_tokens: int = 0, gather: bool | None = None,
-                         dependent_combine: bool | None = None, backend: str = "auto") -> PagedPlan:
+                         dependent_combine: bool | None = None, backend: str = "auto",
+                         v_cache: torch.Tensor | None = None) -> PagedPlan:
     """Choose the path, tiles and split count for a call (pure host arithmetic on shapes); str() explains it.
+    Decode on sm_90 takes the Gluon kernel where `GLUON_DECODE_DEFAULTS` has an entry for the cache (v_cache: its
+    strides are checked too; None takes k_cache's).
 
     gather (multi-token queries): None decides by `choose_gather` (never with an explicit `config`, which is for
     tuning the paged kernel), True / False force it. dependent_combine: None launches the split combine by
@@ -246,6 +279,10 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
                              True, why, kv_cache=describe_cache(k_cache, "triton", True))
     else:
         why = ""
+    if config is None and decode and q.is_cuda:
+        config, why = gluon_decode_default(q, k_cache, k_cache if v_cache is None else v_cache, decode=decode,
+                                           window_left=window_left, sink_tokens=sink_tokens)
+        why = why if config is not None else f"Triton kernel: {why}"
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype, cache_dtype=k_cache.dtype)
     if decode:
         rows, tokens = max(16, next_power_of_2(group)), 1
@@ -260,7 +297,9 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
+    # the Gluon kernel does not release its dependents early: its combine runs in stream order
+    dependent = (num_splits > 1 and dependent_combine is not False and config.kernel == "triton"
+                 and _dependent_launch_supported(q.device))
     return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent,
                      kv_cache=describe_cache(k_cache, "triton", False, fp16_dots(q)))
 
@@ -278,7 +317,7 @@ def explain_paged(q, k_cache, v_cache, block_table, seq_lens, *, cu_seqlens_q=No
     return plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=1 if decode else max_seqlen_q,
                                 num_splits=num_splits, config=config, workspace=workspace, window_left=left,
                                 sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
-                                backend=backend)
+                                backend=backend, v_cache=v_cache)
 
 
 def paged_attention(
@@ -395,7 +434,7 @@ def paged_attention(
     plan = plan_paged_attention(q, k_cache, block_table, decode=decode, max_seqlen_q=max_seqlen_q,
                                 num_splits=num_splits, config=config, workspace=workspace, window_left=left,
                                 sink_tokens=sink_tokens, gather=gather, dependent_combine=dependent_combine,
-                                backend=backend)
+                                backend=backend, v_cache=v_cache)
     if plan.backend == "torch":
         return torch_paged.paged_attention(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, (left, right),
                                            sink_tokens, scale, out, return_lse, k_scale, v_scale)
@@ -425,6 +464,16 @@ def paged_attention(
     part_out, part_lse = split_partials(out, lse, splits, workspace)
 
     cfg = plan.config
+    if cfg.kernel == "gluon":
+        from ioattn.ops.gluon_paged import gluon_decode_unsupported, launch_gluon_decode
+
+        why = gluon_decode_unsupported(q, k_cache, v_cache, decode=decode, window_left=left, sink_tokens=sink_tokens)
+        require(why is None, f"config.kernel='gluon': {why}")
+        launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_scale, v_scale, scale,
+                            splits, cfg)
+        if splits > 1:
+            combine_splits(part_out, part_lse, out, lse, False)
+        return (out, lse) if return_lse else out
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
     paged_attention_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, seq_lens if decode else cu_seqlens_q, part_out, part_lse,

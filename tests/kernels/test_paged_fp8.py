@@ -27,6 +27,10 @@ from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 LSE_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# The Triton kernel's fp8 decode, named (on sm_90 the default plan takes the Gluon kernel: tests/kernels/
+# test_gluon_paged.py), and the Gluon kernel's.
+TRITON_DECODE = PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=128, paired_tiles=True)
+GLUON_DECODE = PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon")
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -357,8 +361,7 @@ def test_fp8_bf16_queries_on_gpu(fp8, heads, kv_heads, head_dim, page):
                   dtype=torch.bfloat16)
     for splits in (0, 1, 7):
         run_case("cuda", seq_lens=seq_lens, num_splits=splits, **common)
-        run_case("cuda", seq_lens=seq_lens, num_splits=splits, config=PagedConfig(
-            block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=128, paired_tiles=True), **common)
+        run_case("cuda", seq_lens=seq_lens, num_splits=splits, config=TRITON_DECODE, **common)
     run_case("cuda", seq_lens=seq_lens, q_lens=[300, 17, 0, 1, 513], window_size=(256, -1), sink_tokens=4, **common)
     for gather in (True, False):
         run_case("cuda", seq_lens=[4096, 17, 0, 2048], q_lens=[2048, 17, 0, 1], gather=gather, **common)
@@ -388,7 +391,8 @@ def test_fp8_decode_in_a_cuda_graph_reads_updated_scales():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", FORMATS)
-def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8):
+@pytest.mark.parametrize("config", [TRITON_DECODE, GLUON_DECODE], ids=["triton", "gluon"])
+def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8, config):
     # A NaN key or value (kept by the write, see quantization above) must reach the output of the heads that read
     # it, never be turned into a finite number by the bf16 decode's conversion.
     k_cache, v_cache, table, k_scale, v_scale = fp8_pool([300, 40], page=16, kv_heads=4, head_dim=128, fp8=fp8,
@@ -398,8 +402,11 @@ def test_fp8_nan_code_in_the_cache_poisons_its_rows_on_gpu(fp8):
     v_cache.view(-1, 4, 128).view(torch.uint8)[slot, 2, 90] = 0xFF  # KV head 2's value
     q = torch.randn(2, 16, 128, dtype=torch.bfloat16, device="cuda")
     lens = torch.tensor([300, 40], dtype=torch.int32, device="cuda")
+    if config.kernel == "gluon" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernel is sm_90 only")
     for splits in (1, 3):
-        out = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale, num_splits=splits)
+        out = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale, num_splits=splits,
+                              config=config)
         heads = out.isnan().any(dim=-1)
         assert heads[0].tolist() == [False] * 4 + [True] * 8 + [False] * 4
         assert not heads[1].any()

@@ -1,0 +1,173 @@
+"""The Gluon paged decode (ioattn.kernels.gluon_paged, `PagedConfig(kernel="gluon")`).
+
+On any machine: the kernel builds for sm_90 ahead of time into a cubin that is warp-specialized (setmaxnreg), loads
+by TMA and multiplies with mma.sync, spilling nothing; the refusals that need no GPU. On an H100/H200 (`gpu`): the
+exactness matrix against the float64 reference (fp8 caches: on the dequantized cache), O and LSE, outputs poisoned
+with NaN, stale NaN codes past seq_len in the last block, CUDA graphs, the default plan's choice (NaN inside a
+sequence reaching exactly its heads: tests/kernels/test_paged_fp8.py, for both kernels).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sm90_builds import build_records
+from test_paged import run_case as run_16_bit
+from test_paged_fp8 import FORMATS, fp8_pool, reference
+from test_paged_fp8 import run_case as run_fp8
+
+from ioattn.ops.paged import PagedConfig, explain_paged, paged_attention
+from ioattn.reference import TOLERANCE, rel_error
+
+_AOT_SCRIPT = """
+import json, sys
+import aot
+for cache, head_dim, block_n, stages, maxnreg in json.loads(sys.argv[1]):
+    kernel = aot.gluon_paged_kernel(cache, head_dim, block_n, stages, maxnreg)
+    ptx = kernel.asm["ptx"]
+    print(json.dumps(dict(case=[cache, head_dim, block_n, stages, maxnreg], cubin=kernel.asm["cubin"][:4].hex(),
+                          resources=aot.resources(kernel), shared=kernel.metadata.shared,
+                          setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
+                          mma=ptx.count("mma.sync"))))
+"""
+
+GLUON = dict(fp8=PagedConfig(block_m=16, block_n=32, num_stages=4, maxnreg=80, kernel="gluon"),
+             wide=PagedConfig(block_m=16, block_n=64, num_stages=2, maxnreg=96, kernel="gluon"))
+
+
+def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
+    cases = [["e4m3", 128, 64, 2, 96], ["bf16", 128, 64, 2, 96],  # the defaults at head dim 128
+             ["e4m3", 128, 32, 4, 80], ["e5m2", 128, 32, 4, 80], ["e4m3", 64, 64, 4, 80], ["e4m3", 256, 32, 2, 128],
+             ["bf16", 256, 32, 2, 128]]
+    builds = build_records(_AOT_SCRIPT, json.dumps(cases))
+    assert [b["case"] for b in builds] == cases
+    for b in builds:
+        assert b["cubin"] == "7f454c46", b  # an ELF image
+        # no spills, but for the fp8 default's 32 bytes (96 registers: four programs per SM, measured fastest)
+        stack = int(b["resources"].split("STACK:")[1].split()[0])
+        assert stack <= (32 if b["case"] == cases[0] else 0) and "LOCAL:0 " in b["resources"], b
+        assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
+        assert b["shared"] <= 227 * 1024, b
+
+
+def test_kernel_field_is_checked():
+    with pytest.raises(ValueError, match="PagedConfig.kernel must be 'triton' or 'gluon'"):
+        PagedConfig(kernel="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an sm_90 GPU")
+def test_refused_without_an_sm90_gpu_naming_the_config():
+    q = torch.randn(2, 4, 64)
+    k = torch.randn(4, 16, 2, 64)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon paged kernel needs an sm_90 GPU"):
+        paged_attention(q, k, k, table, torch.tensor([20, 30], dtype=torch.int32), backend="triton",
+                        config=PagedConfig(block_m=16, kernel="gluon"))
+
+
+# -- on the GPU --------------------------------------------------------------------------------------------------
+
+LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33]
+
+
+WIDE_256 = PagedConfig(block_m=16, block_n=32, num_stages=2, maxnreg=128, kernel="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8, dtype, heads, kv_heads, head_dim, page, config", [
+    # every value of each axis at least once; each case one build (the kernel specialises on all of them)
+    (torch.float8_e4m3fn, torch.bfloat16, 32, 8, 128, 16, "wide"),
+    (torch.float8_e4m3fn, torch.bfloat16, 32, 8, 128, 16, "fp8"),
+    (torch.float8_e5m2, torch.bfloat16, 32, 8, 128, 64, "wide"),
+    (torch.float8_e4m3fn, torch.float16, 8, 8, 128, 256, "wide"),
+    (torch.float8_e5m2, torch.float16, 16, 1, 64, 16, "fp8"),
+    (torch.float8_e4m3fn, torch.bfloat16, 24, 3, 256, 32, "256"),
+    (torch.float8_e4m3fn, torch.bfloat16, 40, 4, 128, 128, "wide"),  # group 10: rows 10..15 padding
+])
+def test_fp8_caches_on_gpu(fp8, dtype, heads, kv_heads, head_dim, page, config):
+    cfg = WIDE_256 if config == "256" else GLUON[config]
+    for splits in (1, 3, 0):
+        run_fp8("cuda", seq_lens=LENGTHS, page=page, group=heads // kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+                fp8=fp8, dtype=dtype, num_splits=splits, config=cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, heads, kv_heads, head_dim, page", [
+    (torch.bfloat16, 32, 8, 128, 16), (torch.float16, 32, 32, 128, 32), (torch.bfloat16, 16, 1, 64, 256),
+    (torch.float16, 24, 3, 256, 16),
+])
+def test_16_bit_caches_on_gpu(dtype, heads, kv_heads, head_dim, page):
+    # make_paged_cache interleaves K and V in one pool: the TMA rows have twice the stride of a plain cache
+    cfg = WIDE_256 if head_dim == 256 else GLUON["wide"]
+    for splits in (1, 5):
+        run_16_bit("cuda", seq_lens=LENGTHS, page=page, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   dtype=dtype, num_splits=splits, config=cfg)
+
+
+@pytest.mark.gpu
+def test_default_plan_takes_gluon_for_fp8_at_head_dim_128_on_sm90():
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool([300, 40], page=16, kv_heads=8, head_dim=128,
+                                                         fp8=torch.float8_e4m3fn, device="cuda")
+    q = torch.randn(2, 32, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([300, 40], dtype=torch.int32, device="cuda")
+    plan = explain_paged(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert ("gluon_paged_decode_kernel" in str(plan)) == sm90, str(plan)
+    q64 = torch.randn(2, 32, 64, dtype=torch.bfloat16, device="cuda")
+    k64 = k_cache[..., :64].contiguous()
+    assert "paged_attention_kernel" in str(explain_paged(q64, k64, k64, table, lens, k_scale=k_scale,
+                                                         v_scale=v_scale))
+    windowed = explain_paged(q, k_cache, v_cache, table, lens, window_size=(128, 0), k_scale=k_scale,
+                             v_scale=v_scale)
+    assert "paged_attention_kernel" in str(windowed) and "no left window" in str(windowed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", FORMATS)
+def test_stale_nan_codes_past_seq_len_are_never_read_on_gpu(fp8):
+    # The last block's slots past seq_len (stale or never written) hold NaN codes: TMA brings the whole block in,
+    # and neither the scores nor P·V may see them.
+    seq_lens = [300, 40, 17]
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool(seq_lens, page=16, kv_heads=4, head_dim=128, fp8=fp8,
+                                                         device="cuda")
+    for b, n in enumerate(seq_lens):
+        block = int(table[b, (n - 1) // 16])
+        k_cache.view(torch.uint8)[block, n % 16:] = 0x7F
+        v_cache.view(torch.uint8)[block, n % 16:] = 0xFF
+    q = torch.randn(3, 16, 128, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    ref, _ = reference(q, k_cache, v_cache, table, seq_lens, [1] * 3, k_scale, v_scale)
+    for cfg in GLUON.values():
+        for splits in (1, 3):
+            out = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale,
+                                  num_splits=splits, config=cfg)
+            assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_new_lengths_and_tables():
+    seq_lens = [700, 33, 128]
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool(seq_lens, page=16, kv_heads=8, head_dim=128,
+                                                         fp8=torch.float8_e4m3fn, device="cuda", spare_blocks=40)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 32, 128, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        paged_attention(q, k_cache, v_cache, table, lens, out=out, k_scale=k_scale, v_scale=v_scale, num_splits=1,
+                        config=GLUON["fp8"], validate=False)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = [100, 30, 640]  # within the flipped rows: 128, 33 and 700 tokens of blocks
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    table.copy_(table.flip(0))
+    q.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    ref, _ = reference(q, k_cache, v_cache, table, new_lens, [1] * 3, k_scale, v_scale)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
