@@ -92,9 +92,10 @@ def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode
     return PagedConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-# The Gluon decode (`PagedConfig(kernel="gluon")`, sm_90) where it was measured faster than the Triton kernel: head
-# dim 128, fp8 and 16-bit caches (bench/results/2026-12-06-gluon-decode-h100). Other head dims run the Triton
-# kernel by default; config= asks for either.
+# The Gluon decode (`PagedConfig(kernel="gluon")`, sm_90) where it was measured at least as fast as the Triton
+# kernel: head dim 128; fp8 caches 0-7% faster from an H100's HBM and 17% from L2 (the ceiling an H200's HBM
+# exposes), 16-bit caches equal to 2% faster (bench/results/2026-12-06-gluon-decode-h100). Other head dims run the
+# Triton kernel by default; config= asks for either.
 GLUON_DECODE_DEFAULTS = {
     ("fp8", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
     ("16-bit", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
