@@ -280,10 +280,17 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
                              True, why, kv_cache=describe_cache(k_cache, "triton", True))
     else:
         why = ""
+    v_cache = k_cache if v_cache is None else v_cache
     if config is None and decode and q.is_cuda:
-        config, why = gluon_decode_default(q, k_cache, k_cache if v_cache is None else v_cache, decode=decode,
-                                           window_left=window_left, sink_tokens=sink_tokens)
+        config, why = gluon_decode_default(q, k_cache, v_cache, decode=decode, window_left=window_left,
+                                           sink_tokens=sink_tokens)
         why = why if config is not None else f"Triton kernel: {why}"
+    elif config is not None and config.kernel == "gluon":
+        from ioattn.ops.gluon_paged import gluon_decode_unsupported
+
+        why_not = gluon_decode_unsupported(q, k_cache, v_cache, decode=decode, window_left=window_left,
+                                           sink_tokens=sink_tokens)
+        require(why_not is None, f"config.kernel='gluon': {why_not}")
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype, cache_dtype=k_cache.dtype)
     if decode:
         rows, tokens = max(16, next_power_of_2(group)), 1
@@ -465,11 +472,9 @@ def paged_attention(
     part_out, part_lse = split_partials(out, lse, splits, workspace)
 
     cfg = plan.config
-    if cfg.kernel == "gluon":
-        from ioattn.ops.gluon_paged import gluon_decode_unsupported, launch_gluon_decode
+    if cfg.kernel == "gluon":  # the plan checked that it can take this call
+        from ioattn.ops.gluon_paged import launch_gluon_decode
 
-        why = gluon_decode_unsupported(q, k_cache, v_cache, decode=decode, window_left=left, sink_tokens=sink_tokens)
-        require(why is None, f"config.kernel='gluon': {why}")
         launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_scale, v_scale, scale,
                             splits, cfg)
         if splits > 1:

@@ -57,13 +57,61 @@ def test_kernel_field_is_checked():
         PagedConfig(kernel="cuda")
 
 
+def _decode_call(**change):
+    """A decode call's q and caches (32/8 heads, D 128, pages of 16, bf16), with `change` applied."""
+    heads, kv_heads, head_dim, page = (change.pop(k, d) for k, d in (("heads", 32), ("kv_heads", 8),
+                                                                      ("head_dim", 128), ("page", 16)))
+    q = torch.zeros(2, heads, head_dim, dtype=change.pop("dtype", torch.bfloat16))
+    k = torch.zeros(6, page, kv_heads, head_dim, dtype=torch.bfloat16)
+    return q, change.pop("k_cache", k), change.pop("v_cache", k)
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(decode=False), "decode only"),
+    (dict(window_left=128), "no left window or sinks"),
+    (dict(sink_tokens=4), "no left window or sinks"),
+    (dict(dtype=torch.float32), "float16 or bfloat16 q"),
+    (dict(head_dim=96), "head_dim in (64, 128, 256)"),
+    (dict(page=8), "blocks of 16 or more tokens"),
+    (dict(heads=64, kv_heads=2), "at most 16 query heads per KV head"),
+    (dict(k_cache=torch.zeros(6, 8, 16, 128, dtype=torch.bfloat16).transpose(1, 2)), "k_cache as rows of slots"),
+    (dict(v_cache=torch.zeros(6, 16, 8, 130, dtype=torch.bfloat16)[..., :128]), "v_cache as rows of slots"),
+    (dict(), "needs an sm_90 GPU"),
+])
+def test_every_refusal_names_what_the_kernel_takes(change, why):
+    from ioattn.ops.gluon_paged import gluon_decode_unsupported
+
+    rules = dict(decode=change.pop("decode", True), window_left=change.pop("window_left", -1),
+                 sink_tokens=change.pop("sink_tokens", 0))
+    q, k_cache, v_cache = _decode_call(**change)
+    reason = gluon_decode_unsupported(q, k_cache, v_cache, **rules)
+    if why == "needs an sm_90 GPU" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this machine has an sm_90 GPU")
+    assert reason is not None and why in reason, reason
+
+
+def test_descriptor_views_an_interleaved_cache_as_rows_of_slots():
+    # K and V interleaved in one pool (as tests/kernels/test_paged.py builds them): each slot's row is two heads'
+    # worth of K and V, the TMA view steps over it
+    from ioattn.ops.gluon_paged import cache_descriptor
+
+    pool = torch.zeros(5, 16, 2, 8, 128, dtype=torch.float8_e4m3fn)
+    desc = cache_descriptor(pool[:, :, 0], 16)
+    assert desc.shape == [80, 1024] and desc.strides == [2048, 1] and desc.block_shape == [16, 128]
+    assert desc.base.data_ptr() == pool.data_ptr()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an sm_90 GPU")
 def test_refused_without_an_sm90_gpu_naming_the_config():
-    q = torch.randn(2, 4, 64)
-    k = torch.randn(4, 16, 2, 64)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(4, 16, 2, 64, dtype=torch.bfloat16)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon paged kernel needs an sm_90 GPU"):
-        paged_attention(q, k, k, table, torch.tensor([20, 30], dtype=torch.int32), backend="triton",
+    lens = torch.tensor([20, 30], dtype=torch.int32)
+    for run in (paged_attention, explain_paged):  # refused by the plan, before the interpreter's float32 upcast
+        with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon paged kernel needs an sm_90 GPU"):
+            run(q, k, k, table, lens, backend="triton", config=PagedConfig(block_m=16, kernel="gluon"))
+    with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon paged kernel takes no left window"):
+        paged_attention(q, k, k, table, lens, backend="triton", window_size=(8, 0),
                         config=PagedConfig(block_m=16, kernel="gluon"))
 
 
