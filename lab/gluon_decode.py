@@ -82,7 +82,8 @@ def main() -> None:
             print(f"B{batch:<4} L{length:<7} {cache:<9} {name:<14} splits {row.get('splits')} "
                   f"{row.get('us', float('nan')):9.1f} us {row.get('tbps', float('nan')):5.2f} TB/s "
                   f"err {row.get('error', float('nan')):.2e} {row.get('status', '')}", flush=True)
-            (out_dir / ("gluon-decode-l2.json" if os.environ.get("GLUON_L2") else "gluon-decode.json")).write_text(json.dumps(result, indent=1) + "\n")
+            name = "gluon-decode-l2.json" if os.environ.get("GLUON_L2") else "gluon-decode.json"
+            (out_dir / name).write_text(json.dumps(result, indent=1) + "\n")
         del k, v, k8, v8
         torch.cuda.empty_cache()
 

@@ -114,8 +114,9 @@ def gluon_decode_default(q, k_cache, v_cache, *, decode: bool, window_left: int,
     kind = "fp8" if is_fp8(k_cache.dtype) else "16-bit"
     config = GLUON_DECODE_DEFAULTS.get((kind, q.shape[2]))
     if config is None:
-        return None, f"the Gluon decode was not measured faster for {kind} caches at head_dim {q.shape[2]}"
-    return config, f"sm_90, {kind} cache, head_dim {q.shape[2]}: the Gluon decode (measured faster)"
+        return None, f"the Gluon decode is not measured for {kind} caches at head_dim {q.shape[2]}"
+    return config, (f"sm_90, {kind} cache, head_dim {q.shape[2]}: the Gluon decode (measured at least as fast as "
+                    "the Triton kernel)")
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,
