@@ -48,6 +48,17 @@ def gluon_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return None
 
 
+def gluon_config_unsupported(config) -> str | None:
+    """Why the Gluon decode cannot build `config` (a PagedConfig with kernel="gluon"), None when it can: the
+    consumer warps split a tile's keys 8 per mma column block, and a tile's rings must fit shared memory."""
+    if not 32 <= config.block_n <= 128 or config.block_n < 8 * config.num_warps:
+        return (f"config.block_n must be in 32..128 and at least 8 x num_warps for the Gluon paged kernel, got "
+                f"block_n={config.block_n}, num_warps={config.num_warps}")
+    if config.paired_tiles:
+        return "config.paired_tiles is the Triton kernel's; the Gluon paged kernel keeps a ring of num_stages tiles"
+    return None
+
+
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv",
               torch.float8_e5m2: "float8e5"}
 

@@ -68,7 +68,7 @@ class PagedConfig:
     num_stages: int = 2
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, a few spills)
     paired_tiles: bool = False  # whole K/V tiles two per loop step: twice the bytes in flight per program
-    kernel: str = "triton"  # "gluon": the sm_90 decode with cp.async stages (`ioattn.kernels.gluon_paged`)
+    kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_paged` (TMA pages, a producer warp)
 
     def __post_init__(self):
         check_launch_config(self)
@@ -287,10 +287,10 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
                                            sink_tokens=sink_tokens)
         why = why if config is not None else f"Triton kernel: {why}"
     elif config is not None and config.kernel == "gluon":
-        from ioattn.ops.gluon_paged import gluon_decode_unsupported
+        from ioattn.ops.gluon_paged import gluon_config_unsupported, gluon_decode_unsupported
 
-        why_not = gluon_decode_unsupported(q, k_cache, v_cache, decode=decode, window_left=window_left,
-                                           sink_tokens=sink_tokens)
+        why_not = gluon_config_unsupported(config) or gluon_decode_unsupported(
+            q, k_cache, v_cache, decode=decode, window_left=window_left, sink_tokens=sink_tokens)
         require(why_not is None, f"config.kernel='gluon': {why_not}")
     config = config or default_config(decode=decode, head_dim=head_dim, dtype=q.dtype, cache_dtype=k_cache.dtype)
     if decode:

@@ -113,6 +113,12 @@ def test_refused_without_an_sm90_gpu_naming_the_config():
     with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon paged kernel takes no left window"):
         paged_attention(q, k, k, table, lens, backend="triton", window_size=(8, 0),
                         config=PagedConfig(block_m=16, kernel="gluon"))
+    for bad, match in ((dict(block_n=16), "config.block_n must be in 32..128"),
+                       (dict(block_n=32, num_warps=8), "at least 8 x num_warps"),
+                       (dict(paired_tiles=True), "config.paired_tiles is the Triton kernel's")):
+        with pytest.raises(ValueError, match=match):
+            paged_attention(q, k, k, table, lens, backend="triton", config=PagedConfig(block_m=16, kernel="gluon",
+                                                                                        **bad))
 
 
 # -- on the GPU --------------------------------------------------------------------------------------------------
