@@ -147,7 +147,8 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     return triton.compile(src, target=TARGET, options=dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg))
 
 
-def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg=80, page=16, query="bf16"):
+def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg=80, page=16, query="bf16",
+                       threshold=0.0):
     """The Gluon paged decode (`PagedConfig(kernel="gluon")`) for 32/8 heads: cache "e4m3" / "e5m2" (fp8) or
     "bf16" / "fp16" (the queries' dtype), TMA boxes of min(page, block_n) slots."""
     from triton.experimental.gluon import language as gl
@@ -165,7 +166,7 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
     types = {n: "i32" for n in kernel.arg_names}
     types.update(k_desc=desc, v_desc=desc, Q=f"*{query}", Block_table="*i32", Seq_lens="*i32", Out="*fp32",
                  Lse="*fp32", K_scale="*fp32", V_scale="*fp32", scale_log2="fp32")
-    constexprs = dict(GROUP=4, BLOCK_N=block_n, PAGE=page, STAGES=stages)
+    constexprs = dict(GROUP=4, BLOCK_N=block_n, PAGE=page, STAGES=stages, RESCALE_THRESHOLD=float(threshold))
     if not fp8:
         constexprs.update(K_scale=None, V_scale=None)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")

@@ -1,5 +1,6 @@
-"""The Gluon paged decode (cp.async stages, `PagedConfig(kernel="gluon")`) beside the Triton kernel, fp8 and bf16
-caches, at the W2 4/7 bar's shapes (B·L >= 64k, 32/8 heads, D 128, block 16 shuffled through the pool).
+"""The Gluon paged decode (TMA pages, a producer warp: `PagedConfig(kernel="gluon")`) beside the Triton kernel,
+fp8 and bf16 caches, at the W2 4/7 bar's shapes (B·L >= 64k, 32/8 heads, D 128, block 16 shuffled through the
+pool).
 
 Each variant: its error against float64 on its own (dequantized) cache first, then per layer over up to 32 cache
 copies in one CUDA graph (lab/fp8_tiles.py's `measure_trial`).
@@ -18,8 +19,21 @@ from ioattn.ops.paged import PagedConfig
 from lab.fp8_tiles import SHAPES, decode_inputs, measure_trial, run_setup, with_fp8
 
 # block_n/stages/maxnreg/warps
-GLUON = [tuple(map(int, c.split("/"))) for c in os.environ.get("GLUON_FP8", "64/2/96/4").split()]
-GLUON_BF16 = [tuple(map(int, c.split("/"))) for c in os.environ.get("GLUON_BF16", "64/2/96/4").split()]
+# block_n/stages/maxnreg/warps[/rescale_threshold]: each a Gluon configuration timed beside the Triton kernel
+GLUON_FP8 = os.environ.get("GLUON_FP8", "64/2/96/4 64/2/96/4/8")
+GLUON_BF16 = os.environ.get("GLUON_BF16", "64/2/96/4 64/2/96/4/8")
+
+
+def gluon_trials(cache: str, spec: str) -> list:
+    """(cache, name, config) of each Gluon configuration in `spec` (see GLUON_FP8)."""
+    trials = []
+    for item in spec.split():
+        n, s, r, w, *t = map(int, item.split("/"))
+        threshold = t[0] if t else 0
+        trials.append((cache, f"gluon n{n} s{s} r{r} w{w} t{threshold}", PagedConfig(
+            block_m=16, block_n=n, num_stages=s, maxnreg=r, num_warps=w, kernel="gluon",
+            rescale_threshold=threshold)))
+    return trials
 
 
 def l2_trial(case, q, k, v, lens, k_scale, v_scale, kv_bytes, args, config) -> dict:
@@ -60,14 +74,8 @@ def main() -> None:
         k8, v8, k_scale, v_scale, ref8, ref = with_fp8(q, k, v)
         trials = []
         if only != "fp8":
-            trials.append(("bf16", "triton", None))
-            trials += [("bf16", f"gluon n{n} s{s} r{r} w{w}", PagedConfig(
-                block_m=16, block_n=n, num_stages=s, maxnreg=r, num_warps=w, kernel="gluon"))
-                for n, s, r, w in GLUON_BF16]
-        trials.append(("fp8_e4m3", "triton", None))
-        trials += [("fp8_e4m3", f"gluon n{n} s{s} r{r} w{w}", PagedConfig(
-            block_m=16, block_n=n, num_stages=s, maxnreg=r, num_warps=w, kernel="gluon"))
-            for n, s, r, w in GLUON]
+            trials += [("bf16", "triton", None)] + gluon_trials("bf16", GLUON_BF16)
+        trials += [("fp8_e4m3", "triton", None)] + gluon_trials("fp8_e4m3", GLUON_FP8)
         for cache, name, config in trials:
             fp8 = cache != "bf16"
             row = {"B": batch, "L": length, "cache": cache, "kernel": name}

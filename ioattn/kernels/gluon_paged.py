@@ -97,10 +97,21 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, table_row, seq_len, 
 
 
 @gluon.jit
+def _rescale(acc, m_i, l_tile, s):
+    """The running max moved to each row's max over s: O and the row sums rescaled, P against the new max."""
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = gl.exp2(m_i - m_safe)
+    return acc * alpha[:, None], m_new, l_tile * alpha[:, None], gl.exp2(s - m_safe[:, None])
+
+
+@gluon.jit
 def _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_smem, ready, empty, j, tile, seq_len,
-                 mma: gl.constexpr, MASKED: gl.constexpr):
+                 mma: gl.constexpr, MASKED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
     """One K/V tile (ring slot j % STAGES) folded into the running state. MASKED: the tile reaches past seq_len
-    (its stale rows are masked in S and zeroed in V: their codes may be NaN)."""
+    (its stale rows are masked in S and zeroed in V: their codes may be NaN). RESCALE_THRESHOLD (log2 units, > 0):
+    the running max moves only when some P would exceed 2**threshold; the result is exact either way, as O, the
+    row sums and the LSE all refer to the same max."""
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -128,32 +139,48 @@ def _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_sm
         v_rows = v_smem.index(stage).load(rows_layout)
         rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
         v_smem.index(stage).store(gl.where((rows < seq_len)[:, None], v_rows, 0.0))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    if gl.max(m_new - m_i, 0) > 0.0:  # some row's max moved (or a row saw its first key): rescale
-        alpha = gl.exp2(m_i - m_safe)
-        acc = acc * alpha[:, None]
-        l_tile = l_tile * alpha[:, None]
-        m_i = m_new
-    p = gl.exp2(s - m_safe[:, None])
-    l_tile = l_tile + p
-    if FP8:
-        v16_smem.store(v_rows)
-    p_smem.store(p.to(p_smem.dtype))  # P to every warp: through a buffer of its own, not the reductions' scratch
-    p = p_smem.load(p_operand)
+    if RESCALE_THRESHOLD > 0:
+        # FA4's conditional rescale without a cross-warp max per tile: P against the running max as it stands;
+        # every warp then holds all of P, so "some P above 2**threshold" (or the program's first tile) is one
+        # decision, taken alike by all warps with no barrier, and only then is the true row max reduced
+        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(s - m_ref[:, None])
+        if FP8:
+            v16_smem.store(v_rows)
+        p_smem.store(p.to(p_smem.dtype))
+        p_op = p_smem.load(p_operand)
+        if (j == 0) | (gl.max(gl.max(p_op.to(gl.float32), 1), 0) > 2.0 ** RESCALE_THRESHOLD):
+            acc, m_i, l_tile, p = _rescale(acc, m_i, l_tile, s)
+            p_smem.store(p.to(p_smem.dtype))
+            p_op = p_smem.load(p_operand)
+        l_tile = l_tile + p
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        if gl.max(m_new - m_i, 0) > 0.0:  # some row's max moved (or a row saw its first key): rescale
+            alpha = gl.exp2(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_tile = l_tile * alpha[:, None]
+            m_i = m_new
+        p = gl.exp2(s - m_safe[:, None])
+        l_tile = l_tile + p
+        if FP8:
+            v16_smem.store(v_rows)
+        p_smem.store(p.to(p_smem.dtype))  # P to every warp: through a buffer of its own, not the reductions' scratch
+        p_op = p_smem.load(p_operand)
     if FP8:
         v = v16_smem.load(v_operand)
     else:
         v = v_smem.index(stage).load(v_operand)
         mbarrier.arrive(empty.index(stage), count=1)
-    acc = mma_v2(p, v, acc)
+    acc = mma_v2(p_op, v, acc)
     return acc, m_i, l_tile
 
 
 @gluon.jit
 def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, ready, empty, seq, kv_head, split,
               seq_len, n_tiles, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-              stride_lh, scale_log2, GROUP: gl.constexpr):
+              stride_lh, scale_log2, GROUP: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -189,10 +216,10 @@ def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, r
     full_hi = gl.maximum(gl.minimum(hi, seq_len // BLOCK_N), lo)
     for tile in range(lo, full_hi):
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, mma, False)
+                                        tile - lo, tile, seq_len, mma, False, RESCALE_THRESHOLD)
     for tile in range(full_hi, hi):  # the last tile, partly past seq_len
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, mma, True)
+                                        tile - lo, tile, seq_len, mma, True, RESCALE_THRESHOLD)
 
     l_i = gl.sum(l_tile, 1)
     empty_row = l_i == 0.0
@@ -217,11 +244,12 @@ def gluon_paged_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_splits,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+    RESCALE_THRESHOLD: gl.constexpr = 0.0,
 ):
     """Grid (batch, num_kv_heads, num_splits), 4 warps (+ 1 producer warp). k_desc/v_desc: TMA descriptors over the
     caches viewed as (blocks * PAGE, Hkv * D) with boxes [min(PAGE, BLOCK_N), D]. Out (splits, tokens, heads, D)
     and Lse (splits, tokens, heads), float32 (or Out in q's dtype with one split), as `paged_attention_kernel`
-    writes them. FP8 caches: K_scale/V_scale float32 (num_kv_heads,)."""
+    writes them. FP8 caches: K_scale/V_scale float32 (num_kv_heads,). RESCALE_THRESHOLD: see `_attend_tile`."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     cache_dtype: gl.constexpr = k_desc.dtype
     ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], cache_dtype)
@@ -252,7 +280,7 @@ def gluon_paged_decode_kernel(
     gl.warp_specialize([
         (_consumer, (Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, ready, empty, seq, kv_head, split,
                      seq_len, n_tiles, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                     stride_lt, stride_lh, scale_log2, GROUP)),
+                     stride_lt, stride_lh, scale_log2, GROUP, RESCALE_THRESHOLD)),
         (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, table_row, seq_len, lo, hi, kv_head, PAGE,
                      BLOCK_N)),
     ], [1], [PRODUCER_REGS])

@@ -56,6 +56,8 @@ def gluon_config_unsupported(config) -> str | None:
                 f"block_n={config.block_n}, num_warps={config.num_warps}")
     if config.paired_tiles:
         return "config.paired_tiles is the Triton kernel's; the Gluon paged kernel keeps a ring of num_stages tiles"
+    if config.rescale_threshold > 15:  # P up to 2**threshold must stay finite in float16
+        return f"config.rescale_threshold must be at most 15 for the Gluon paged kernel, got {config.rescale_threshold}"
     return None
 
 
@@ -99,5 +101,5 @@ def launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, pa
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), splits,
         GROUP=num_heads // num_kv_heads, BLOCK_N=config.block_n, PAGE=k_cache.shape[1], STAGES=config.num_stages,
-        num_warps=config.num_warps, maxnreg=config.maxnreg,
+        RESCALE_THRESHOLD=float(config.rescale_threshold), num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

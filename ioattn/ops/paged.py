@@ -69,11 +69,20 @@ class PagedConfig:
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, a few spills)
     paired_tiles: bool = False  # whole K/V tiles two per loop step: twice the bytes in flight per program
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_paged` (TMA pages, a producer warp)
+    # gluon: > 0 moves the running max only when some probability would pass 2**threshold (exact either way;
+    # no cross-warp row max per tile). Not measured yet: the default keeps the per-tile max.
+    rescale_threshold: float = 0.0
 
     def __post_init__(self):
         check_launch_config(self)
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"PagedConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        threshold = self.rescale_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < math.inf:
+            raise ValueError(f"PagedConfig.rescale_threshold must be a finite number >= 0, got {threshold!r}")
+        if threshold and self.kernel != "gluon":
+            raise ValueError("PagedConfig.rescale_threshold is the Gluon kernel's (kernel='gluon'); the Triton "
+                             f"kernel rescales every tile, got {threshold!r}")
 
 
 def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode: bool,

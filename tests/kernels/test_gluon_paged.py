@@ -14,20 +14,23 @@ import json
 import pytest
 import torch
 from sm90_builds import build_records
+from test_paged import make_paged_cache
+from test_paged import reference as reference_16_bit
 from test_paged import run_case as run_16_bit
 from test_paged_fp8 import FORMATS, fp8_pool, reference
 from test_paged_fp8 import run_case as run_fp8
 
 from ioattn.ops.paged import PagedConfig, explain_paged, paged_attention
-from ioattn.reference import TOLERANCE, rel_error
+from ioattn.reference import TOLERANCE, lse_error, rel_error
 
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for cache, head_dim, block_n, stages, maxnreg in json.loads(sys.argv[1]):
-    kernel = aot.gluon_paged_kernel(cache, head_dim, block_n, stages, maxnreg)
+for cache, head_dim, block_n, stages, maxnreg, threshold in json.loads(sys.argv[1]):
+    kernel = aot.gluon_paged_kernel(cache, head_dim, block_n, stages, maxnreg, threshold=threshold)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[cache, head_dim, block_n, stages, maxnreg], cubin=kernel.asm["cubin"][:4].hex(),
+    print(json.dumps(dict(case=[cache, head_dim, block_n, stages, maxnreg, threshold],
+                          cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
                           mma=ptx.count("mma.sync"))))
@@ -38,9 +41,10 @@ GLUON = dict(fp8=PagedConfig(block_m=16, block_n=32, num_stages=4, maxnreg=80, k
 
 
 def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
-    cases = [["e4m3", 128, 64, 2, 96], ["bf16", 128, 64, 2, 96],  # the defaults at head dim 128
-             ["e4m3", 128, 32, 4, 80], ["e5m2", 128, 32, 4, 80], ["e4m3", 64, 64, 4, 80], ["e4m3", 256, 32, 2, 128],
-             ["bf16", 256, 32, 2, 128]]
+    cases = [["e4m3", 128, 64, 2, 96, 0], ["bf16", 128, 64, 2, 96, 0],  # the defaults at head dim 128
+             ["e4m3", 128, 64, 2, 96, 8], ["bf16", 128, 64, 2, 96, 8],  # their conditional-rescale variant
+             ["e4m3", 128, 32, 4, 80, 0], ["e5m2", 128, 32, 4, 80, 0], ["e4m3", 64, 64, 4, 80, 0],
+             ["e4m3", 256, 32, 2, 128, 0], ["bf16", 256, 32, 2, 128, 0]]
     builds = build_records(_AOT_SCRIPT, json.dumps(cases))
     assert [b["case"] for b in builds] == cases
     for b in builds:
@@ -52,9 +56,15 @@ def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
         assert b["shared"] <= 227 * 1024, b
 
 
-def test_kernel_field_is_checked():
+def test_kernel_and_threshold_fields_are_checked():
     with pytest.raises(ValueError, match="PagedConfig.kernel must be 'triton' or 'gluon'"):
         PagedConfig(kernel="cuda")
+    for bad in (-1.0, float("inf"), float("nan"), "8", True):
+        with pytest.raises(ValueError, match="PagedConfig.rescale_threshold must be a finite number >= 0"):
+            PagedConfig(kernel="gluon", rescale_threshold=bad)
+    with pytest.raises(ValueError, match="rescale_threshold is the Gluon kernel's"):
+        PagedConfig(rescale_threshold=8.0)
+    assert PagedConfig(kernel="gluon", rescale_threshold=8).rescale_threshold == 8
 
 
 def _decode_call(**change):
@@ -115,7 +125,8 @@ def test_refused_without_an_sm90_gpu_naming_the_config():
                         config=PagedConfig(block_m=16, kernel="gluon"))
     for bad, match in ((dict(block_n=16), "config.block_n must be in 32..128"),
                        (dict(block_n=32, num_warps=8), "at least 8 x num_warps"),
-                       (dict(paired_tiles=True), "config.paired_tiles is the Triton kernel's")):
+                       (dict(paired_tiles=True), "config.paired_tiles is the Triton kernel's"),
+                       (dict(rescale_threshold=16.0), "rescale_threshold must be at most 15")):
         with pytest.raises(ValueError, match=match):
             paged_attention(q, k, k, table, lens, backend="triton", config=PagedConfig(block_m=16, kernel="gluon",
                                                                                         **bad))
@@ -198,6 +209,54 @@ def test_stale_nan_codes_past_seq_len_are_never_read_on_gpu(fp8):
             out = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale,
                                   num_splits=splits, config=cfg)
             assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def _ramp_first_channel(cache, table, seq_lens, top):
+    """Channel 0 of every KV head's key at logical position p set to top * p / 4096 (in the cache's own units),
+    so that scores grow along each sequence."""
+    flat = cache.view(-1, *cache.shape[2:])
+    page = cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        positions = torch.arange(n, device=cache.device)
+        slots = table[b, positions // page].long() * page + positions % page
+        flat[slots, :, 0] = (positions.float() * (top / 4096))[:, None].to(cache.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, None], ids=["e4m3", "bf16"])
+def test_conditional_rescale_is_exact_on_gpu(fp8):
+    # rescale_threshold > 0: the running max moves only when some P would pass 2**threshold. Random keys (after
+    # the first tile, the path without a row max) and keys whose scores rise by more than 2**8 per 64-key tile
+    # (every tile takes the rescale), split and not, against float64, O and LSE.
+    config = PagedConfig(block_m=16, block_n=64, num_stages=2, maxnreg=96, kernel="gluon", rescale_threshold=8.0)
+    lens = torch.tensor(LENGTHS, dtype=torch.int32, device="cuda")
+    for growing in (False, True):
+        if fp8 is None:
+            k_cache, v_cache, table = make_paged_cache(LENGTHS, page=16, kv_heads=8, head_dim=128,
+                                                       dtype=torch.bfloat16, device="cuda")
+            k_scale = v_scale = None
+        else:
+            k_cache, v_cache, table, k_scale, v_scale = fp8_pool(LENGTHS, page=16, kv_heads=8, head_dim=128, fp8=fp8,
+                                                                 device="cuda")
+        q = torch.randn(len(LENGTHS), 32, 128, dtype=torch.bfloat16, device="cuda")
+        if growing:
+            # channel 0: keys up to 64 (fp8: codes up to 400) and queries large enough that the score rises by
+            # about 16 (log2 units) per tile
+            _ramp_first_channel(k_cache, table, LENGTHS, 64.0 if fp8 is None else 400.0)
+            if fp8 is None:
+                q[..., 0] = 128.0
+            else:
+                q[..., 0] = (20.0 / k_scale).repeat_interleave(4).to(q.dtype)
+        if fp8 is None:
+            ref, ref_lse = reference_16_bit(q, k_cache, v_cache, table, LENGTHS, [1] * len(LENGTHS))
+        else:
+            ref, ref_lse = reference(q, k_cache, v_cache, table, LENGTHS, [1] * len(LENGTHS), k_scale, v_scale)
+        for splits in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            _, lse = paged_attention(q, k_cache, v_cache, table, lens, k_scale=k_scale, v_scale=v_scale, out=out,
+                                     num_splits=splits, config=config, return_lse=True)
+            assert rel_error(out, ref) < TOLERANCE[torch.bfloat16], (growing, splits)
+            assert lse_error(lse, ref_lse.t()) < 1e-2, (growing, splits)
 
 
 @pytest.mark.gpu
