@@ -20,6 +20,7 @@ import torch
 import ioattn
 from attention_grad_ref import attention_grads_ref, gradient_error, gradient_magnitudes
 from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize
+from ioattn.ops.paged import PagedConfig
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
@@ -245,6 +246,16 @@ def _corrupt_scales(corruption: str, scales):
     return k_scale, v_scale
 
 
+# paged_attention's config=: the default, an explicit Triton tile, the Gluon decode (sm_90, head dims 64/128/256
+# only), and a Gluon tile it cannot build
+PAGED_CONFIGS = {
+    None: None,
+    "triton": PagedConfig(block_m=16, block_n=32, num_warps=4, num_stages=2),
+    "gluon": PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
+    "gluon_block_n_16": PagedConfig(block_m=16, block_n=16, kernel="gluon"),
+}
+
+
 def run_paged(case, device):
     """paged_attention (decode, or multi-token with cu_seqlens_q) against the float64 reference over each
     sequence's gathered cache (for an fp8 cache, the dequantized one)."""
@@ -278,9 +289,10 @@ def run_paged(case, device):
     q = _random((sum(q_lens), hq, d), dtype, gen, device)
     cu = None if decode else _cu(q_lens, device, case["cu_q"], q.shape[0])
     window = tuple(case["window"])
+    config = PAGED_CONFIGS[case.get("config")]
     out = ioattn.paged_attention(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q=cu, causal=True,
                                  window_size=window, sink_tokens=case["sinks"], num_splits=case["splits"],
-                                 gather=case["gather"], backend=case.get("backend", "auto"), **scales)
+                                 gather=case["gather"], backend=case.get("backend", "auto"), config=config, **scales)
     outs, start = [], 0
     for b, (n, m) in enumerate(zip(lens, q_lens)):
         blocks = table[b].long().cpu()

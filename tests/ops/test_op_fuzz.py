@@ -187,7 +187,10 @@ def paged_cases(draw):
         splits=st.sampled_from([0, 1, 3, 64]), gather=st.sampled_from([None, False] + ([True] if not decode else [])),
         table=st.just("ok"), lens=st.just("ok"), cu_q=st.just("ok"),
         extra_query=st.just(False), backend=BACKENDS, kv=KV_FORMATS, scales=st.just("ok"),
+        config=st.sampled_from([None, "triton"]),
     ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, scales=BAD_SCALES_FP8, page=st.sampled_from([3, 512]), splits=st.sampled_from([-1, 65, 1.0]),
+            # the Gluon decode takes none of these head dims (nor a CPU); block_n 16 it cannot build at all
+            config=st.sampled_from(["gluon", "gluon_block_n_16"]),
             sinks=st.sampled_from([-1, 2**40]), table=st.sampled_from(["oob", "num_blocks", "negative", "evicted", "transposed"]),
             lens=st.sampled_from(["past_capacity", "negative"]), window=BAD_WINDOWS,
             gather=st.sampled_from(["yes"]), extra_query=st.just(not decode),
@@ -327,6 +330,11 @@ KNOWN_CASES = [
     *[dict(op="paged_attention", seed=13, dtype="float32", batch=1, seq_lens=[9], q_lens=None, page=4, Hkv=2,
            group=1, D=16, window=(-1, -1), sinks=0, splits=0, gather=None, table="ok", lens="ok", cu_q="ok",
            kv="fp8_e4m3", scales=bad) for bad in ("missing", "shape", "zero", "nan", "float64")],
+    # config=: an explicit Triton tile runs; the Gluon decode is refused by name (no sm_90 here, or head dim 32),
+    # and a Gluon tile of 16 keys everywhere.
+    *[dict(op="paged_attention", seed=14, dtype="bfloat16", batch=2, seq_lens=[30, 7], q_lens=None, page=16, Hkv=2,
+           group=4, D=32, window=(-1, -1), sinks=0, splits=0, gather=None, table="ok", lens="ok", cu_q="ok",
+           config=config) for config in ("triton", "gluon", "gluon_block_n_16")],
     # A softmax row one-hot to 3.5e-7: dq cancels to far below its summands, which float32 rounds in any backward
     # (the gradient checks add float32's tolerance of those summands' magnitude).
     dict(op="flash_attn_func", seed=3, dtype="float16", B=1, Nq=1, Nk=2, D=72, causal=False, window=(-1, -1),
