@@ -181,7 +181,6 @@ def _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_sm
 def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, ready, empty, seq, kv_head, split,
               seq_len, n_tiles, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
               stride_lh, scale_log2, GROUP: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
-    STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
     cache_dtype: gl.constexpr = k_smem.dtype
