@@ -20,7 +20,7 @@ fp8_gpu_tests() {
 }
 fp8_decode_bench() {
     timeout "$1" python3 -m ioattn.cli bench decode --kv-cache-dtype fp8_e4m3 --backends ioattn-paged,torch-cudnn \
-        --heads 32/8 --batches 8,64,256 --seqlens 4096,32768 --long-seqlens 131072 --no-prefill \
+        --heads 32/8,32/32 --batches 8,64,256 --seqlens 4096,32768 --long-seqlens 131072 --no-prefill \
         --budget-s $(( $1 - 30 )) --json "$OUT/decode-fp8.json" > "$OUT/decode-fp8.txt" 2>&1
     echo "bench exit $?"; grep -E "^\|" "$OUT/decode-fp8.txt" | head -40
 }
