@@ -70,7 +70,7 @@ class PagedConfig:
     paired_tiles: bool = False  # whole K/V tiles two per loop step: twice the bytes in flight per program
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_paged` (TMA pages, a producer warp)
     # gluon: > 0 moves the running max only when some probability would pass 2**threshold (exact either way;
-    # no cross-warp row max per tile). Not measured yet: the default keeps the per-tile max.
+    # no cross-warp row max per tile); the Gluon defaults take 8 (bench/results/2026-12-06-gluon-threshold-h100)
     rescale_threshold: float = 0.0
 
     def __post_init__(self):
@@ -103,11 +103,14 @@ def default_config(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, decode
 
 # The Gluon decode (`PagedConfig(kernel="gluon")`, sm_90) where it was measured at least as fast as the Triton
 # kernel: head dim 128; fp8 caches 0-7% faster from an H100's HBM and 17% from L2 (the ceiling an H200's HBM
-# exposes), 16-bit caches equal to 2% faster (bench/results/2026-12-06-gluon-decode-h100). Other head dims run the
-# Triton kernel by default; config= asks for either.
+# exposes), 16-bit caches equal to 2% faster (bench/results/2026-12-06-gluon-decode-h100); with conditional
+# rescale (threshold 8) fp8 1-3% faster again from HBM and 4% from L2 (bench/results/2026-12-06-gluon-threshold-h100).
+# Other head dims run the Triton kernel by default; config= asks for either.
 GLUON_DECODE_DEFAULTS = {
-    ("fp8", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
-    ("16-bit", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon"),
+    ("fp8", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon",
+                              rescale_threshold=8.0),
+    ("16-bit", 128): PagedConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, maxnreg=96, kernel="gluon",
+                                 rescale_threshold=8.0),
 }
 
 
