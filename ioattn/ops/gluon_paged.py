@@ -73,15 +73,16 @@ def _box_layout(rows: int, head_dim: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, head_dim], getattr(gl, _GL_DTYPES[dtype]))
 
 
-def cache_descriptor(cache: torch.Tensor, rows: int):
+def cache_descriptor(cache: torch.Tensor, rows: int, width: int | None = None):
     """A TMA descriptor over a (blocks, PAGE, Hkv, D) cache viewed as (blocks * PAGE, Hkv * D) rows of slots,
-    with boxes [rows, D] (one KV head of `rows` consecutive slots); see `gluon_decode_unsupported` for the
-    strides this view needs."""
+    with boxes [rows, width] (default D: one KV head of `rows` consecutive slots); see `gluon_decode_unsupported`
+    for the strides this view needs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     blocks, page, kv_heads, head_dim = cache.shape
-    return TensorDescriptor(cache, [blocks * page, kv_heads * head_dim], [cache.stride(1), 1], [rows, head_dim],
-                            _box_layout(rows, head_dim, cache.dtype))
+    width = head_dim if width is None else width
+    return TensorDescriptor(cache, [blocks * page, kv_heads * head_dim], [cache.stride(1), 1], [rows, width],
+                            _box_layout(rows, width, cache.dtype))
 
 
 def launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_scale, v_scale,

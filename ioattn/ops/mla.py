@@ -52,9 +52,12 @@ class MLAConfig:
     num_stages: int = 2
     maxnreg: int | None = None
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
+    kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
 
     def __post_init__(self):
         check_launch_config(self)
+        if self.kernel not in ("triton", "gluon"):
+            raise ValueError(f"MLAConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:
@@ -72,6 +75,27 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
     return MLAConfig(block_h=block_h, block_m=max(64, block_h), block_n=32 if latent_fits else 16,
                      num_warps=8 if wide else 4, num_stages=3 if tuned_decode else 2,
                      programs_per_sm=2 if tuned_decode and not wide else 1)
+
+
+# The Gluon MLA decode (`MLAConfig(kernel="gluon")`, sm_90) where it is the default: up to 16 heads (one program
+# per sequence and split) over DeepSeek's latent 512 + RoPE 64.
+GLUON_MLA_DEFAULTS = {
+    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=168,
+                         programs_per_sm=2, kernel="gluon"),
+}
+
+
+def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tuple[MLAConfig | None, str]:
+    """(the Gluon MLA decode's config, why) where the default plan takes it, else (None, why not)."""
+    from ioattn.ops.gluon_mla import gluon_mla_unsupported
+
+    why_not = gluon_mla_unsupported(q, latent_cache, v_head_dim, decode=decode)
+    if why_not is not None:
+        return None, why_not
+    config = GLUON_MLA_DEFAULTS.get((max(16, next_power_of_2(q.shape[1])), v_head_dim))
+    if config is None:
+        return None, f"the Gluon MLA decode is not the default for {q.shape[1]} heads at v_head_dim {v_head_dim}"
+    return config, f"sm_90, {q.shape[1]} heads, latent {v_head_dim}: the Gluon MLA decode"
 
 
 def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
@@ -104,7 +128,9 @@ class MLAPlan:
             return (f"torch MLA: {torch_paged.DESCRIPTION}; V is the latent part of the same rows"
                     + (f" ({self.reason})" if self.reason else ""))
         cfg = self.config
-        launch = (f"mla_attention_kernel BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
+        name = ("gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, mma.sync)"
+                if cfg.kernel == "gluon" else "mla_attention_kernel")
+        launch = (f"{name} BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
                   f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
                   + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))
         combine = " (programmatic dependent launch)" if self.dependent_combine else ""
@@ -127,9 +153,19 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     """Path, tiles and split count for a call (host arithmetic on shapes only)."""
     num_heads = q.shape[1]
     backend, why = resolve_backend(backend, q.device)
-    config = config or default_config(num_heads, v_head_dim, q.dtype, decode=decode)
     if backend == "torch":
-        return MLAPlan(config, 1, 0, 0, 0, 0, backend="torch", reason=why)
+        return MLAPlan(config or default_config(num_heads, v_head_dim, q.dtype, decode=decode), 1, 0, 0, 0, 0,
+                       backend="torch", reason=why)
+    if config is None and decode and q.is_cuda:
+        config, gluon_why = gluon_mla_default(q, latent_cache, v_head_dim, decode=decode)
+        why = f"{why}; {gluon_why}" if config is not None else f"{why}; Triton kernel: {gluon_why}"
+    elif config is not None and config.kernel == "gluon":
+        from ioattn.ops.gluon_mla import gluon_mla_config_unsupported, gluon_mla_unsupported
+
+        why_not = (gluon_mla_config_unsupported(config, v_head_dim)
+                   or gluon_mla_unsupported(q, latent_cache, v_head_dim, decode=decode))
+        require(why_not is None, f"config.kernel='gluon': {why_not}")
+    config = config or default_config(num_heads, v_head_dim, q.dtype, decode=decode)
     block_h = config.block_h
     tokens = 1 if decode else max(1, config.block_m // block_h)
     q_tiles = 1 if decode else max(1, cdiv(max_seqlen_q, tokens))
@@ -141,7 +177,8 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
+    dependent = (num_splits > 1 and dependent_combine is not False and config.kernel == "triton"
+                 and _dependent_launch_supported(q.device))  # the Gluon kernel does not release its dependents
     return MLAPlan(config, num_splits, block_h, tokens, q_tiles, head_blocks, dependent, reason=why)
 
 
@@ -296,6 +333,13 @@ def mla_paged_attention(
     splits = plan.num_splits
     part_out, part_lse = split_partials(out, lse, splits, workspace)
     cfg = plan.config
+    if cfg.kernel == "gluon":  # the plan checked that it can take this call
+        from ioattn.ops.gluon_mla import launch_gluon_mla
+
+        launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim, scale, splits, cfg)
+        if splits > 1:
+            combine_splits(part_out, part_lse, out, lse, False)
+        return (out, lse) if return_lse else out
     rope = latent_cache.shape[3] - v_head_dim
     grid = (batch * plan.q_tiles_per_seq, plan.head_blocks, splits)
     mla_attention_kernel[grid](

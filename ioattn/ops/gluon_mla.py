@@ -1,0 +1,81 @@
+"""Launcher of the Gluon MLA decode (`ioattn.kernels.gluon_mla`), sm_90 only: `MLAConfig(kernel="gluon")`.
+
+It takes what the Triton MLA kernel's decode takes except float32, latents that are not a multiple of 64 up to
+512, RoPE parts other than 64 and pages under 16 slots; `gluon_mla_unsupported` names the first argument it
+cannot take, `gluon_mla_config_unsupported` the first field of a config it cannot build.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ioattn.ops.gluon_paged import cache_descriptor
+
+ROPE_DIM = 64
+MAX_LATENT = 512
+RESCALE_THRESHOLD = 8.0  # the running max moves only when some P would pass 2**8 (as the Gluon paged decode)
+SHARED_BYTES = 227 * 1024
+
+
+def gluon_mla_unsupported(q: torch.Tensor, latent_cache: torch.Tensor, v_head_dim: int, *, decode: bool
+                          ) -> str | None:
+    """Why the Gluon MLA decode cannot take this call (None when it can); the device is checked last, so every
+    other reason shows on any machine."""
+    if not decode:
+        return "the Gluon MLA kernel is decode only (cu_seqlens_q must be None)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the Gluon MLA kernel takes float16 or bfloat16 q, got {q.dtype}"
+    if v_head_dim % 64 or v_head_dim > MAX_LATENT:
+        return f"the Gluon MLA kernel takes v_head_dim a multiple of 64 up to {MAX_LATENT}, got {v_head_dim}"
+    if latent_cache.shape[3] - v_head_dim != ROPE_DIM:
+        return (f"the Gluon MLA kernel takes a RoPE part of {ROPE_DIM} values, got "
+                f"{latent_cache.shape[3] - v_head_dim}")
+    blocks, page, _, dim = latent_cache.shape
+    if page < 16:
+        return f"the Gluon MLA kernel takes cache blocks of 16 or more tokens, got {page}"
+    row = latent_cache.stride(1)  # TMA views the cache as (blocks * PAGE, D) rows of slots, 16-byte aligned
+    if (latent_cache.stride(3) != 1 or (blocks > 1 and latent_cache.stride(0) != page * row)
+            or row * latent_cache.element_size() % 16 or latent_cache.data_ptr() % 16):
+        return ("the Gluon MLA kernel reads latent_cache as rows of slots (stride(0) == block_size * stride(1), "
+                f"stride(3) == 1, 16-byte aligned rows), got strides {latent_cache.stride()}")
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+        return f"the Gluon MLA kernel needs an sm_90 GPU, q is on {q.device}"
+    return None
+
+
+def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
+    """Why the Gluon MLA decode cannot build `config` (an MLAConfig with kernel="gluon"), None when it can: 16
+    heads per program, four consumer warps splitting a tile's keys 8 or more each, the ring within shared memory."""
+    if config.block_h != 16 or config.num_warps != 4:
+        return (f"config.block_h must be 16 and num_warps 4 for the Gluon MLA kernel, got block_h={config.block_h}, "
+                f"num_warps={config.num_warps}")
+    if config.block_n not in (32, 64):
+        return f"config.block_n must be 32 or 64 for the Gluon MLA kernel, got {config.block_n}"
+    row_bytes = 2 * (v_head_dim + ROPE_DIM)
+    shared = config.num_stages * config.block_n * row_bytes + 16 * row_bytes + 16 * config.block_n * 2
+    if shared > SHARED_BYTES:
+        return (f"config.num_stages={config.num_stages} x block_n={config.block_n} latent rows need {shared} bytes "
+                f"of shared memory, more than {SHARED_BYTES}")
+    return None
+
+
+def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim: int, scale: float,
+                     splits: int, config) -> None:
+    """One launch over grid (batch, cdiv(heads, 16), splits), writing the Triton kernel's partials (or the
+    output)."""
+    from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel
+
+    batch, num_heads, _ = q.shape
+    rows = min(latent_cache.shape[1], config.block_n)
+    gluon_mla_decode_kernel[(batch, math.ceil(num_heads / 16), splits)](
+        cache_descriptor(latent_cache, rows, v_head_dim), cache_descriptor(latent_cache, rows, ROPE_DIM), q,
+        block_table, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        scale * math.log2(math.e), num_heads, splits,
+        BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages,
+        RESCALE_THRESHOLD=RESCALE_THRESHOLD, num_warps=4, maxnreg=config.maxnreg,
+    )

@@ -1,0 +1,228 @@
+"""The Gluon MLA decode (ioattn.kernels.gluon_mla, `MLAConfig(kernel="gluon")`).
+
+On any machine: the kernel builds for sm_90 ahead of time into a cubin that is warp-specialized (setmaxnreg), loads
+by TMA and multiplies with mma.sync, spilling nothing; every refusal, by name. On an H100/H200 (`gpu`): the
+exactness matrix against the float64 reference over DeepSeek-V3's latent 512 + RoPE 64 (head counts that pad and
+span head blocks, pages, splits, empty and one-token sequences, tile boundaries), O and LSE, outputs poisoned with
+NaN, NaN in the stale slots past seq_len, CUDA-graph replay with new lengths and tables, the default plan's choice.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sm90_builds import build_records
+from test_mla import latent_pool, reference, run_case
+
+from ioattn.ops.mla import MLAConfig, explain_mla, mla_paged_attention
+from ioattn.reference import TOLERANCE, lse_error, rel_error
+
+_AOT_SCRIPT = """
+import json, sys
+import aot
+for block_n, stages, page, maxnreg, cache in json.loads(sys.argv[1]):
+    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache)
+    ptx = kernel.asm["ptx"]
+    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache], cubin=kernel.asm["cubin"][:4].hex(),
+                          resources=aot.resources(kernel), shared=kernel.metadata.shared,
+                          setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
+                          mma=ptx.count("mma.sync"))))
+"""
+
+DEFAULT = MLAConfig(block_h=16, block_m=16, block_n=32, num_stages=2, maxnreg=168, programs_per_sm=2, kernel="gluon")
+GLUON = dict(default=DEFAULT,
+             deep=MLAConfig(block_h=16, block_m=16, block_n=32, num_stages=3, maxnreg=200, kernel="gluon"),
+             wide=MLAConfig(block_h=16, block_m=16, block_n=64, num_stages=2, kernel="gluon"))
+
+
+def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
+    cases = [[32, 2, 64, 168, "bf16"], [32, 2, 16, 168, "fp16"], [32, 3, 64, 200, "bf16"], [32, 2, 128, 168, "bf16"]]
+    builds = build_records(_AOT_SCRIPT, json.dumps(cases))
+    assert [b["case"] for b in builds] == cases
+    for b in builds:
+        assert b["cubin"] == "7f454c46", b  # an ELF image
+        assert " STACK:0 " in b["resources"] and "LOCAL:0 " in b["resources"], b
+        assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
+        assert b["shared"] <= 227 * 1024, b
+
+
+def test_kernel_field_is_checked():
+    with pytest.raises(ValueError, match="MLAConfig.kernel must be 'triton' or 'gluon'"):
+        MLAConfig(kernel="cuda")
+
+
+def _decode_call(**change):
+    """A decode call's q and latent cache (16 heads, latent 512 + RoPE 64, pages of 64, bf16), `change` applied."""
+    heads, latent, rope, page = (change.pop(k, d) for k, d in (("heads", 16), ("latent", 512), ("rope", 64),
+                                                                ("page", 64)))
+    q = torch.zeros(2, heads, latent + rope, dtype=change.pop("dtype", torch.bfloat16))
+    cache = torch.zeros(6, page, 1, latent + rope, dtype=torch.bfloat16)
+    return q, change.pop("latent_cache", cache), latent
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(decode=False), "decode only"),
+    (dict(dtype=torch.float32), "float16 or bfloat16 q"),
+    (dict(latent=448 + 32), "v_head_dim a multiple of 64 up to 512"),
+    (dict(latent=1024), "v_head_dim a multiple of 64 up to 512"),
+    (dict(rope=32), "RoPE part of 64 values"),
+    (dict(page=8), "blocks of 16 or more tokens"),
+    (dict(latent_cache=torch.zeros(6, 65, 1, 576, dtype=torch.bfloat16)[:, :64]), "rows of slots"),
+    (dict(latent_cache=torch.zeros(6, 64, 1, 580, dtype=torch.bfloat16)[..., :576]), "rows of slots"),
+    (dict(), "needs an sm_90 GPU"),
+])
+def test_every_refusal_names_what_the_kernel_takes(change, why):
+    from ioattn.ops.gluon_mla import gluon_mla_unsupported
+
+    decode = change.pop("decode", True)
+    q, cache, latent = _decode_call(**change)
+    reason = gluon_mla_unsupported(q, cache, latent, decode=decode)
+    if why == "needs an sm_90 GPU" and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("this machine has an sm_90 GPU")
+    assert reason is not None and why in reason, reason
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(block_h=32, block_m=32), "block_h must be 16 and num_warps 4"),
+    (dict(num_warps=8), "block_h must be 16 and num_warps 4"),
+    (dict(block_n=16), "block_n must be 32 or 64"),
+    (dict(block_n=128, block_m=16), "block_n must be 32 or 64"),
+    (dict(block_n=64, num_stages=3), "bytes of shared memory"),
+])
+def test_configs_it_cannot_build_are_named(change, why):
+    from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
+
+    config = MLAConfig(**{**dict(block_h=16, block_m=16, block_n=32, num_stages=2, kernel="gluon"), **change})
+    reason = gluon_mla_config_unsupported(config, 512)
+    assert reason is not None and why in reason, reason
+    assert gluon_mla_config_unsupported(DEFAULT, 512) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an sm_90 GPU")
+def test_refused_without_an_sm90_gpu_naming_the_config():
+    cache, table = latent_pool([20, 70], page=16, dim=576, dtype=torch.bfloat16, device="cpu")
+    q = torch.randn(2, 16, 576, dtype=torch.bfloat16)
+    lens = torch.tensor([20, 70], dtype=torch.int32)
+    for run in (mla_paged_attention, explain_mla):  # refused by the plan, before the interpreter's float32 upcast
+        with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon MLA kernel needs an sm_90 GPU"):
+            run(q, cache, table, lens, v_head_dim=512, backend="triton", config=DEFAULT)
+    with pytest.raises(ValueError, match="config.kernel='gluon': config.block_n must be 32 or 64"):
+        mla_paged_attention(q, cache, table, lens, v_head_dim=512, backend="triton",
+                            config=MLAConfig(block_h=16, block_m=16, block_n=16, kernel="gluon"))
+    with pytest.raises(ValueError, match="config.kernel='gluon': the Gluon MLA kernel is decode only"):
+        mla_paged_attention(q, cache, table, lens, v_head_dim=512, backend="triton", config=DEFAULT,
+                            cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), max_seqlen_q=1)
+    # the default plan stays on the Triton kernel here, and says why
+    plan = explain_mla(q, cache, table, lens, v_head_dim=512, backend="triton")
+    assert "mla_attention_kernel" in str(plan) and "gluon" not in str(plan).split("(")[0], str(plan)
+
+
+# -- on the GPU --------------------------------------------------------------------------------------------------
+
+LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, heads, page, config", [
+    # every value of each axis at least once; each case one build (the kernel specialises on page and tiles)
+    (torch.bfloat16, 16, 64, "default"),
+    (torch.float16, 16, 16, "default"),
+    (torch.bfloat16, 16, 128, "deep"),
+    (torch.bfloat16, 16, 32, "wide"),
+    (torch.bfloat16, 5, 64, "default"),  # rows 5..15 padding
+    (torch.bfloat16, 40, 64, "default"),  # three head blocks, the last partly padding
+    (torch.float16, 128, 256, "default"),
+])
+def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
+    for splits in (1, 3, 0):
+        run_case("cuda", seq_lens=LENGTHS, heads=heads, latent=512, rope=64, page=page, dtype=dtype,
+                 num_splits=splits, config=GLUON[config])
+
+
+@pytest.mark.gpu
+def test_smaller_latent_on_gpu():
+    run_case("cuda", seq_lens=[300, 45, 0], heads=16, latent=256, rope=64, page=16, dtype=torch.bfloat16,
+             num_splits=2, config=DEFAULT)
+
+
+@pytest.mark.gpu
+def test_default_plan_takes_gluon_at_16_heads_on_sm90():
+    cache, table = latent_pool([300, 40], page=64, dim=576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor([300, 40], dtype=torch.int32, device="cuda")
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    for heads, gluon in ((16, sm90), (8, sm90), (128, False)):
+        q = torch.randn(2, heads, 576, dtype=torch.bfloat16, device="cuda")
+        plan = str(explain_mla(q, cache, table, lens, v_head_dim=512))
+        assert ("gluon_mla_decode_kernel" in plan) == gluon, plan
+    q = torch.randn(2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    multi = str(explain_mla(q, cache, table, lens, v_head_dim=512, cu_seqlens_q=torch.tensor(
+        [0, 1, 2], dtype=torch.int32, device="cuda"), max_seqlen_q=1))
+    assert "mla_attention_kernel" in multi and "decode only" in multi, multi
+
+
+@pytest.mark.gpu
+def test_stale_nan_rows_past_seq_len_are_never_read_on_gpu():
+    # The last block's slots past seq_len hold NaN: TMA brings the whole page in, and neither the scores nor
+    # P·V (V is the same rows) may see them.
+    seq_lens = [300, 40, 17, 64]
+    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
+    for b, n in enumerate(seq_lens):
+        if n % 64:
+            cache[int(table[b, (n - 1) // 64]), n % 64:] = float("nan")
+    q = torch.randn(len(seq_lens), 16, 576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    ref, _ = reference(q, cache, table, seq_lens, [1] * len(seq_lens), 512, 0.1)
+    for cfg in GLUON.values():
+        for splits in (1, 3):
+            out = mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.1, num_splits=splits,
+                                      config=cfg)
+            assert rel_error(out, ref) < TOLERANCE[torch.bfloat16], (cfg, splits)
+
+
+@pytest.mark.gpu
+def test_rising_scores_take_the_conditional_rescale_on_gpu():
+    # channel 0 of the latent rises along each sequence, so scores grow by far more than 2**8 per tile: every
+    # tile moves the running max (the path random inputs rarely take after the first tile)
+    seq_lens = [2000, 333]
+    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
+    for b, n in enumerate(seq_lens):
+        positions = torch.arange(n, device="cuda")
+        slots = table[b, positions // 64].long() * 64 + positions % 64
+        cache.view(-1, 576)[slots, 0] = (positions.float() / 16).to(torch.bfloat16)
+    q = torch.randn(2, 16, 576, dtype=torch.bfloat16, device="cuda")
+    q[..., 0] = 8.0
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    ref, ref_lse = reference(q, cache, table, seq_lens, [1, 1], 512, 1.0)
+    for splits in (1, 4):
+        out, lse = mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=1.0, num_splits=splits,
+                                       config=DEFAULT, return_lse=True)
+        assert rel_error(out, ref) < TOLERANCE[torch.bfloat16], splits
+        assert lse_error(lse, ref_lse.t()) < 1e-2, splits
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replays_with_new_lengths_and_tables():
+    seq_lens = [700, 33, 128]
+    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda", spare_blocks=20)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 16, 576, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.05, out=out, num_splits=1,
+                            config=DEFAULT, validate=False)
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = [100, 30, 640]  # within the flipped rows: 128, 33 and 700 tokens of blocks
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    table.copy_(table.flip(0))
+    q.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    ref, _ = reference(q, cache, table, new_lens, [1] * 3, 512, 0.05)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
