@@ -1,12 +1,14 @@
 """The Gluon MLA decode (TMA latent rows, a producer warp: `MLAConfig(kernel="gluon")`) beside the Triton MLA
 kernel at DeepSeek-V3's decode shapes (latent 512 + RoPE 64, block 64 shuffled, bf16), each at its split
-heuristic, against the copy ceiling of the same run (W2 7/7's bar: >= 85% of copy at 16 heads where B·L >= 64k).
+heuristic, against the copy and bf16 matmul ceilings of the same run (W2 7/7's bars: >= 85% of copy at 16 heads
+where B·L >= 64k, >= 60% of matmul at 128 heads, B >= 64).
 
 Each variant: its error against float64 on the first sequence, then µs per layer over up to 32 cache copies in one
 CUDA graph (`ioattn bench decode --mla`'s timing).
 
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
+                             (a leading w: 64 heads per program on wgmma)
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
 
@@ -36,9 +38,12 @@ def variants(heads: int) -> list:
     """(name, config) of the Triton default and each Gluon variant of GLUON_MLA."""
     out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True))]
     for item in GLUON_MLA.split():
-        n, s, r, p = map(int, item.split("/"))
-        out.append((f"gluon n{n} s{s} r{r} p{p}", MLAConfig(block_h=16, block_m=16, block_n=n, num_stages=s,
-                                                            maxnreg=r or None, programs_per_sm=p, kernel="gluon")))
+        wide = item.startswith("w")  # 64 heads per program on wgmma, 8 warps
+        n, s, r, p = map(int, item.lstrip("w").split("/"))
+        h, w = (64, 8) if wide else (16, 4)
+        out.append((f"gluon{'-wgmma' if wide else ''} n{n} s{s} r{r} p{p}", MLAConfig(
+            block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
+            kernel="gluon")))
     return out
 
 
@@ -46,8 +51,9 @@ def main() -> None:
     out_dir, args, result = run_setup("lab/gluon_mla.py")
     args.mla_backend, args.num_splits, args.max_kv_gib = "triton", 0, 60.0
     ceilings = harness.measure_ceilings(args.device, [torch.bfloat16])
-    result["disclosure"]["copy_tbps"] = ceilings["copy_tbps"]
-    print(f"copy ceiling {ceilings['copy_tbps']:.3f} TB/s", flush=True)
+    matmul = ceilings["matmul_tflops"]["bfloat16"]
+    result["disclosure"].update(copy_tbps=ceilings["copy_tbps"], matmul_tflops=matmul)
+    print(f"copy ceiling {ceilings['copy_tbps']:.3f} TB/s, bf16 matmul {matmul:.0f} TFLOP/s", flush=True)
     for heads in HEADS:
         for batch, length in SHAPES:
             case = Case("bfloat16", batch, heads, length)
@@ -67,14 +73,17 @@ def main() -> None:
                     row.update(us=timed["ms"] * 1e3, tbps=case.bytes / (timed["ms"] * 1e-3) / 1e12,
                                error=timed["error"], splits=plan.num_splits, used=timed["how"])
                     row["copy_pct"] = 100 * row["tbps"] / ceilings["copy_tbps"]
+                    flops = 2 * batch * heads * length * (ROW_DIM + LATENT_DIM)
+                    row["matmul_pct"] = 100 * flops / (timed["ms"] * 1e-3) / 1e12 / matmul
                 except Exception as error:  # noqa: BLE001 - a variant that fails is a result too
                     row["status"] = f"failed: {type(error).__name__}: {error}"[:300]
                 result["rows"].append(row)
                 print(f"H{heads:<4} B{batch:<4} L{length:<6} {name:<24} splits {row.get('splits')} "
                       f"{row.get('us', float('nan')):8.1f} us {row.get('tbps', float('nan')):5.2f} TB/s "
-                      f"{row.get('copy_pct', float('nan')):5.1f}% err {row.get('error', float('nan')):.2e} "
+                      f"{row.get('copy_pct', float('nan')):5.1f}% copy {row.get('matmul_pct', float('nan')):5.1f}% "
+                      f"matmul err {row.get('error', float('nan')):.2e} "
                       f"{row.get('status', '')}", flush=True)
-                (out_dir / "gluon-mla.json").write_text(json.dumps(result, indent=1) + "\n")
+                (out_dir / os.environ.get("GLUON_MLA_JSON", "gluon-mla.json")).write_text(json.dumps(result, indent=1) + "\n")
             del pool, q
             torch.cuda.empty_cache()
 

@@ -7,14 +7,18 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/device_log.sh" gluon-mla.log
 step "1. GPU tests: the Gluon and Triton MLA kernels, the paged kernels, the fp8 engine"
-timeout 240 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
+timeout 200 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
     tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py tests/kernels/test_gluon_paged.py \
     tests/kernels/test_paged.py tests/engine/test_fp8_engine.py > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
 step "2. Gluon MLA variants beside the Triton MLA kernel, 16 heads"
-timeout "${SWEEP_S:-200}" python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+timeout 150 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+step "2b. 128 heads: the wgmma variants (64 heads per program)"
+GLUON_MLA="w64/2/224/1 w32/3/224/1 w32/2/224/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128.json \
+    GLUON_MLA_SHAPES="64x1024 128x1024 64x8192 128x8192 64x32768" timeout 100 python3 lab/gluon_mla.py 2>&1 \
+    | grep -v Warning
 step "3. ioattn bench decode --mla, 16 heads, the defaults"
-timeout 120 python3 -m ioattn.cli bench decode --mla --heads 16 --budget-s 100 --json "$OUT/mla-h16.json" \
+timeout 100 python3 -m ioattn.cli bench decode --mla --heads 16 --budget-s 80 --json "$OUT/mla-h16.json" \
     > "$OUT/mla-h16.txt" 2>&1
 echo "bench exit $?"; grep -E "^\|.*ioattn-mla|^Bar|bar" "$OUT/mla-h16.txt" | head -30
 step "done"

@@ -25,7 +25,9 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from ioattn.kernels.gluon_paged import BLOCK_M, PRODUCER_REGS, _LN2, _page_blocks, _rescale
 
@@ -194,6 +196,147 @@ def gluon_mla_decode_kernel(
         (_consumer, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
                      seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                      stride_lt, stride_lh, scale_log2, RESCALE_THRESHOLD)),
+        (_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE,
+                     BLOCK_N)),
+    ], [1], [PRODUCER_REGS])
+
+
+# --- 64 heads per program on wgmma (the compute-bound shapes: 128 heads at TP 1) --------------------------------
+
+WIDE_HEADS: gl.constexpr = gl.constexpr(64)  # query heads per program: wgmma's M
+
+
+@gluon.jit
+def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, j, tile, seq_len,
+               scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr):
+    """One latent tile folded into the running state of 64 heads: S = Q·Kᵀ and O += P·V on wgmma, the two
+    warpgroups splitting each product's columns (S: the keys; O: the latent's 512 values)."""
+    STAGES: gl.constexpr = lat_smem.shape[0]
+    BLOCK_N: gl.constexpr = lat_smem.shape[1]
+    LATENT: gl.constexpr = lat_smem.shape[2]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    stage = j % STAGES
+    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+    lat = lat_smem.index(stage)
+    s = warpgroup_mma(q_lat, lat.permute((1, 0)), gl.zeros([WIDE_HEADS, BLOCK_N], gl.float32, s_layout),
+                      use_acc=False, is_async=True)
+    s = warpgroup_mma(q_rope, rope_smem.index(stage).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s]) * scale_log2
+    if MASKED:
+        keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
+        rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
+        for c in gl.static_range(LATENT // CHUNK):
+            v_chunk = lat.slice(c * CHUNK, CHUNK, dim=1)
+            v_chunk.store(gl.where((rows < seq_len)[:, None], v_chunk.load(rows_layout), 0.0))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+    alpha = gl.exp2(m_i - m_safe)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p = gl.exp2(s - m_safe[:, None])
+    l_tile = l_tile * alpha[:, None] + p
+    m_i = m_new
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    acc = warpgroup_mma(p_smem, lat, acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index(stage), count=1)
+    return acc, m_i, l_tile
+
+
+@gluon.jit
+def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
+                   seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                   stride_lt, stride_lh, scale_log2):
+    BLOCK_N: gl.constexpr = lat_smem.shape[1]
+    LATENT: gl.constexpr = lat_smem.shape[2]
+    ROPE: gl.constexpr = rope_smem.shape[2]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                       instr_shape=[16, BLOCK_N // (NUM_WARPS // 4), 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                       instr_shape=[16, LATENT // (NUM_WARPS // 4), 16])
+
+    q_rows = gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, q_layout))
+    heads = head_block * WIDE_HEADS + q_rows
+    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
+    q_lat.store(gl.load(q_row + q_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    r_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
+    q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    fence_async_shared()
+
+    m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_tile = gl.zeros([WIDE_HEADS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([WIDE_HEADS, LATENT], gl.float32, o_layout)
+    full_hi = gl.maximum(gl.minimum(hi, seq_len // BLOCK_N), lo)
+    for tile in range(lo, full_hi):
+        acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                      tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, False)
+    for tile in range(full_hi, hi):  # the last tile, partly past seq_len
+        acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                      tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
+
+    l_i = gl.sum(l_tile, 1)
+    empty_row = l_i == 0.0
+    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * _LN2)
+    out = acc / gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
+    rows = gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
+    head = head_block * WIDE_HEADS + rows
+    o_ptrs = Out + split.to(gl.int64) * stride_os + seq.to(gl.int64) * stride_ot + head[:, None] * stride_oh \
+        + cols[None, :]
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(head < num_heads)[:, None])
+    lse_heads = head_block * WIDE_HEADS + gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, s_layout))
+    gl.store(Lse + split.to(gl.int64) * stride_ls + seq.to(gl.int64) * stride_lt + lse_heads * stride_lh, lse,
+             mask=lse_heads < num_heads)
+
+
+@gluon.jit(do_not_specialize=["num_splits", "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
+           do_not_specialize_on_alignment=["Block_table", "Seq_lens"])
+def gluon_mla_wide_decode_kernel(
+    lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse,
+    stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+    scale_log2, num_heads, num_splits,
+    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+):
+    """As `gluon_mla_decode_kernel`, with 64 query heads per program on wgmma: grid (batch, cdiv(num_heads, 64),
+    num_splits), 8 warps (two warpgroups) + 1 producer warp."""
+    LATENT: gl.constexpr = lat_desc.block_type.shape[1]
+    ROPE: gl.constexpr = rope_desc.block_type.shape[1]
+    dtype: gl.constexpr = lat_desc.dtype
+
+    seq = gl.program_id(0)
+    head_block = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len = gl.load(Seq_lens + seq)
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    lo = gl.minimum(split * per_split, n_tiles)
+    hi = gl.minimum(lo + per_split, n_tiles)
+
+    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
+    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
+                                      gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, ROPE], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [WIDE_HEADS, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, BLOCK_N], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    table_row = Block_table + seq.to(gl.int64) * stride_table
+
+    gl.warp_specialize([
+        (_wide_consumer, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
+                          split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+                          stride_ls, stride_lt, stride_lh, scale_log2)),
         (_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE,
                      BLOCK_N)),
     ], [1], [PRODUCER_REGS])

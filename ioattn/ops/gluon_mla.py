@@ -1,7 +1,8 @@
 """Launcher of the Gluon MLA decode (`ioattn.kernels.gluon_mla`), sm_90 only: `MLAConfig(kernel="gluon")`.
 
 It takes what the Triton MLA kernel's decode takes except float32, latents that are not a multiple of 64 up to
-512, RoPE parts other than 64 and pages under 16 slots; `gluon_mla_unsupported` names the first argument it
+512, RoPE parts other than 64 and pages under 16 slots. `MLAConfig(block_h=16, num_warps=4)` runs 16 heads per
+program on mma.sync, `MLAConfig(block_h=64, num_warps=8)` 64 on wgmma (two warpgroups); `gluon_mla_unsupported` names the first argument it
 cannot take, `gluon_mla_config_unsupported` the first field of a config it cannot build.
 """
 
@@ -47,14 +48,16 @@ def gluon_mla_unsupported(q: torch.Tensor, latent_cache: torch.Tensor, v_head_di
 
 def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
     """Why the Gluon MLA decode cannot build `config` (an MLAConfig with kernel="gluon"), None when it can: 16
-    heads per program, four consumer warps splitting a tile's keys 8 or more each, the ring within shared memory."""
-    if config.block_h != 16 or config.num_warps != 4:
-        return (f"config.block_h must be 16 and num_warps 4 for the Gluon MLA kernel, got block_h={config.block_h}, "
-                f"num_warps={config.num_warps}")
+    heads per program on four consumer warps (mma.sync) or 64 on eight (two warpgroups on wgmma), a tile of 32 or
+    64 keys, the ring, Q and P within shared memory."""
+    if (config.block_h, config.num_warps) not in ((16, 4), (64, 8)):
+        return ("config.block_h and num_warps must be 16 and 4 (mma.sync) or 64 and 8 (wgmma) for the Gluon MLA "
+                f"kernel, got block_h={config.block_h}, num_warps={config.num_warps}")
     if config.block_n not in (32, 64):
         return f"config.block_n must be 32 or 64 for the Gluon MLA kernel, got {config.block_n}"
     row_bytes = 2 * (v_head_dim + ROPE_DIM)
-    shared = config.num_stages * config.block_n * row_bytes + 16 * row_bytes + 16 * config.block_n * 2
+    shared = (config.num_stages * config.block_n * row_bytes + config.block_h * row_bytes
+              + config.block_h * config.block_n * 2)
     if shared > SHARED_BYTES:
         return (f"config.num_stages={config.num_stages} x block_n={config.block_n} latent rows need {shared} bytes "
                 f"of shared memory, more than {SHARED_BYTES}")
@@ -63,13 +66,16 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
 
 def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim: int, scale: float,
                      splits: int, config) -> None:
-    """One launch over grid (batch, cdiv(heads, 16), splits), writing the Triton kernel's partials (or the
-    output)."""
-    from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel
+    """One launch over grid (batch, cdiv(heads, config.block_h), splits), writing the Triton kernel's partials (or
+    the output): 16 heads per program on mma.sync, or 64 on wgmma."""
+    from ioattn.kernels import gluon_mla
 
     batch, num_heads, _ = q.shape
     rows = min(latent_cache.shape[1], config.block_n)
-    gluon_mla_decode_kernel[(batch, math.ceil(num_heads / 16), splits)](
+    wide = config.block_h == 64
+    kernel = gluon_mla.gluon_mla_wide_decode_kernel if wide else gluon_mla.gluon_mla_decode_kernel
+    extra = {} if wide else {"RESCALE_THRESHOLD": RESCALE_THRESHOLD}
+    kernel[(batch, math.ceil(num_heads / config.block_h), splits)](
         cache_descriptor(latent_cache, rows, v_head_dim), cache_descriptor(latent_cache, rows, ROPE_DIM), q,
         block_table, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0),
@@ -77,5 +83,5 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages,
-        RESCALE_THRESHOLD=RESCALE_THRESHOLD, num_warps=4, maxnreg=config.maxnreg,
+        num_warps=config.num_warps, maxnreg=config.maxnreg, **extra,
     )

@@ -22,28 +22,33 @@ from ioattn.reference import TOLERANCE, lse_error, rel_error
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for block_n, stages, page, maxnreg, cache in json.loads(sys.argv[1]):
-    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache)
+for block_n, stages, page, maxnreg, cache, wide in json.loads(sys.argv[1]):
+    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache], cubin=kernel.asm["cubin"][:4].hex(),
+    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide], cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
-                          mma=ptx.count("mma.sync"))))
+                          mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"))))
 """
 
 DEFAULT = MLAConfig(block_h=16, block_m=16, block_n=32, num_stages=2, maxnreg=168, programs_per_sm=2, kernel="gluon")
 GLUON = dict(default=DEFAULT,
              deep=MLAConfig(block_h=16, block_m=16, block_n=32, num_stages=3, maxnreg=200, kernel="gluon"),
-             wide=MLAConfig(block_h=16, block_m=16, block_n=64, num_stages=2, kernel="gluon"))
+             wide=MLAConfig(block_h=16, block_m=16, block_n=64, num_stages=2, kernel="gluon"),
+             wgmma=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, maxnreg=224,
+                             kernel="gluon"),
+             wgmma_deep=MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=3, maxnreg=224,
+                                  kernel="gluon"))
 
 
 def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
-    cases = [[32, 2, 64, 168, "bf16"], [32, 2, 16, 168, "fp16"], [32, 3, 64, 200, "bf16"], [32, 2, 128, 168, "bf16"]]
+    cases = [[32, 2, 64, 168, "bf16", False], [32, 2, 16, 168, "fp16", False], [32, 3, 64, 200, "bf16", False],
+             [32, 2, 128, 168, "bf16", False], [32, 3, 64, 224, "bf16", True]]
     builds = build_records(_AOT_SCRIPT, json.dumps(cases))
     assert [b["case"] for b in builds] == cases
     for b in builds:
         assert b["cubin"] == "7f454c46", b  # an ELF image
-        assert " STACK:0 " in b["resources"] and "LOCAL:0 " in b["resources"], b
+        assert " STACK:0 " in b["resources"] and "LOCAL:0 " in b["resources"], b  # no spills
         assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
         assert b["shared"] <= 227 * 1024, b
 
@@ -85,8 +90,10 @@ def test_every_refusal_names_what_the_kernel_takes(change, why):
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(block_h=32, block_m=32), "block_h must be 16 and num_warps 4"),
-    (dict(num_warps=8), "block_h must be 16 and num_warps 4"),
+    (dict(block_h=32, block_m=32), "block_h and num_warps must be 16 and 4 (mma.sync) or 64 and 8"),
+    (dict(num_warps=8), "block_h and num_warps must be 16 and 4 (mma.sync) or 64 and 8"),
+    (dict(block_h=64, block_m=64), "block_h and num_warps must be 16 and 4 (mma.sync) or 64 and 8"),
+    (dict(block_h=64, block_m=64, num_warps=8, block_n=64, num_stages=3), "bytes of shared memory"),
     (dict(block_n=16), "block_n must be 32 or 64"),
     (dict(block_n=128, block_m=16), "block_n must be 32 or 64"),
     (dict(block_n=64, num_stages=3), "bytes of shared memory"),
@@ -97,7 +104,8 @@ def test_configs_it_cannot_build_are_named(change, why):
     config = MLAConfig(**{**dict(block_h=16, block_m=16, block_n=32, num_stages=2, kernel="gluon"), **change})
     reason = gluon_mla_config_unsupported(config, 512)
     assert reason is not None and why in reason, reason
-    assert gluon_mla_config_unsupported(DEFAULT, 512) is None
+    for config in GLUON.values():
+        assert gluon_mla_config_unsupported(config, 512) is None, config
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without an sm_90 GPU")
@@ -134,6 +142,9 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.bfloat16, 5, 64, "default"),  # rows 5..15 padding
     (torch.bfloat16, 40, 64, "default"),  # three head blocks, the last partly padding
     (torch.float16, 128, 256, "default"),
+    (torch.bfloat16, 128, 64, "wgmma"),  # two programs of 64 heads
+    (torch.float16, 40, 16, "wgmma"),  # one program, rows 40..63 padding
+    (torch.bfloat16, 200, 32, "wgmma_deep"),  # four programs, the last partly padding
 ])
 def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
     for splits in (1, 3, 0):
