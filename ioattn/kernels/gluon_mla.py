@@ -157,7 +157,7 @@ def gluon_mla_decode_kernel(
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
 ):
-    """Grid (batch, cdiv(num_heads, 16), num_splits), 4 warps (+ 1 producer warp). lat_desc / rope_desc: TMA
+    """Grid (cdiv(num_heads, 16), batch, num_splits), 4 warps (+ 1 producer warp). lat_desc / rope_desc: TMA
     descriptors over the latent cache viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N),
     LATENT] and [min(PAGE, BLOCK_N), ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT)
     and Lse (splits, tokens, heads), float32 (or Out in q's dtype with one split), as `mla_attention_kernel`
@@ -166,8 +166,8 @@ def gluon_mla_decode_kernel(
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     dtype: gl.constexpr = lat_desc.dtype
 
-    seq = gl.program_id(0)
-    head_block = gl.program_id(1)
+    head_block = gl.program_id(0)  # the fastest axis: a sequence's head blocks run together and share its rows in L2
+    seq = gl.program_id(1)
     split = gl.program_id(2)
     seq_len = gl.load(Seq_lens + seq)
     n_tiles = gl.cdiv(seq_len, BLOCK_N)
@@ -301,14 +301,14 @@ def gluon_mla_wide_decode_kernel(
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """As `gluon_mla_decode_kernel`, with 64 query heads per program on wgmma: grid (batch, cdiv(num_heads, 64),
+    """As `gluon_mla_decode_kernel`, with 64 query heads per program on wgmma: grid (cdiv(num_heads, 64), batch,
     num_splits), 8 warps (two warpgroups) + 1 producer warp."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     dtype: gl.constexpr = lat_desc.dtype
 
-    seq = gl.program_id(0)
-    head_block = gl.program_id(1)
+    head_block = gl.program_id(0)  # the fastest axis: a sequence's head blocks run together and share its rows in L2
+    seq = gl.program_id(1)
     split = gl.program_id(2)
     seq_len = gl.load(Seq_lens + seq)
     n_tiles = gl.cdiv(seq_len, BLOCK_N)

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ioattn.ops.capability import MAX_GRID_Y
 from ioattn.ops.gluon_paged import cache_descriptor
 
 ROPE_DIM = 64
@@ -33,6 +34,8 @@ def gluon_mla_unsupported(q: torch.Tensor, latent_cache: torch.Tensor, v_head_di
     if latent_cache.shape[3] - v_head_dim != ROPE_DIM:
         return (f"the Gluon MLA kernel takes a RoPE part of {ROPE_DIM} values, got "
                 f"{latent_cache.shape[3] - v_head_dim}")
+    if q.shape[0] > MAX_GRID_Y:
+        return f"the Gluon MLA kernel takes at most {MAX_GRID_Y} sequences (its grid's second axis), got {q.shape[0]}"
     blocks, page, _, dim = latent_cache.shape
     if page < 16:
         return f"the Gluon MLA kernel takes cache blocks of 16 or more tokens, got {page}"
@@ -66,7 +69,7 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
 
 def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim: int, scale: float,
                      splits: int, config) -> None:
-    """One launch over grid (batch, cdiv(heads, config.block_h), splits), writing the Triton kernel's partials (or
+    """One launch over grid (cdiv(heads, config.block_h), batch, splits), writing the Triton kernel's partials (or
     the output): 16 heads per program on mma.sync, or 64 on wgmma."""
     from ioattn.kernels import gluon_mla
 
@@ -75,7 +78,7 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
     wide = config.block_h == 64
     kernel = gluon_mla.gluon_mla_wide_decode_kernel if wide else gluon_mla.gluon_mla_decode_kernel
     extra = {} if wide else {"RESCALE_THRESHOLD": RESCALE_THRESHOLD}
-    kernel[(batch, math.ceil(num_heads / config.block_h), splits)](
+    kernel[(math.ceil(num_heads / config.block_h), batch, splits)](
         cache_descriptor(latent_cache, rows, v_head_dim), cache_descriptor(latent_cache, rows, ROPE_DIM), q,
         block_table, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0),

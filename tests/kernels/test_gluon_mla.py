@@ -62,7 +62,8 @@ def _decode_call(**change):
     """A decode call's q and latent cache (16 heads, latent 512 + RoPE 64, pages of 64, bf16), `change` applied."""
     heads, latent, rope, page = (change.pop(k, d) for k, d in (("heads", 16), ("latent", 512), ("rope", 64),
                                                                 ("page", 64)))
-    q = torch.zeros(2, heads, latent + rope, dtype=change.pop("dtype", torch.bfloat16))
+    q = torch.zeros(1, heads, latent + rope, dtype=change.pop("dtype", torch.bfloat16)).expand(
+        change.pop("batch", 2), -1, -1)  # shapes only: the refusals read no data
     cache = torch.zeros(6, page, 1, latent + rope, dtype=torch.bfloat16)
     return q, change.pop("latent_cache", cache), latent
 
@@ -74,6 +75,7 @@ def _decode_call(**change):
     (dict(latent=1024), "v_head_dim a multiple of 64 up to 512"),
     (dict(rope=32), "RoPE part of 64 values"),
     (dict(page=8), "blocks of 16 or more tokens"),
+    (dict(batch=65536), "at most 65535 sequences"),
     (dict(latent_cache=torch.zeros(6, 65, 1, 576, dtype=torch.bfloat16)[:, :64]), "rows of slots"),
     (dict(latent_cache=torch.zeros(6, 64, 1, 580, dtype=torch.bfloat16)[..., :576]), "rows of slots"),
     (dict(), "needs an sm_90 GPU"),
