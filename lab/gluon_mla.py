@@ -27,7 +27,7 @@ from ioattn.ops.mla import MLAConfig, default_config
 from ioattn.reference import attention_ref
 from lab.fp8_tiles import run_setup
 
-GLUON_MLA = os.environ.get("GLUON_MLA", "32/2/168/2 32/2/168/1 32/3/200/1 32/4/200/1 64/2/0/1")
+GLUON_MLA = os.environ.get("GLUON_MLA", "32/2/128/2 32/2/128/1 32/3/128/1 32/4/0/1 64/2/0/1")
 HEADS = [int(h) for h in os.environ.get("GLUON_MLA_HEADS", "16").split()]
 SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ.get(
     "GLUON_MLA_SHAPES", "64x1024 128x1024 32x4096 64x4096 128x4096 8x8192 32x8192 64x8192 8x32768 32x32768 "

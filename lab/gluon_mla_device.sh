@@ -14,7 +14,7 @@ echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.t
 step "2. Gluon MLA variants beside the Triton MLA kernel, 16 heads"
 timeout 150 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
 step "2b. 128 heads: the wgmma variants (64 heads per program)"
-GLUON_MLA="w64/2/224/1 w32/3/224/1 w32/2/224/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128.json \
+GLUON_MLA="w64/2/0/1 w32/3/0/1 w32/2/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128.json \
     GLUON_MLA_SHAPES="64x1024 128x1024 64x8192 128x8192 64x32768" timeout 100 python3 lab/gluon_mla.py 2>&1 \
     | grep -v Warning
 step "3. ioattn bench decode --mla, 16 heads, the defaults"

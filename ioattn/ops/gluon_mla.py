@@ -19,6 +19,7 @@ ROPE_DIM = 64
 MAX_LATENT = 512
 RESCALE_THRESHOLD = 8.0  # the running max moves only when some P would pass 2**8 (as the Gluon paged decode)
 SHARED_BYTES = 227 * 1024
+REGISTERS = 65536
 
 
 def gluon_mla_unsupported(q: torch.Tensor, latent_cache: torch.Tensor, v_head_dim: int, *, decode: bool
@@ -58,6 +59,11 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
                 f"kernel, got block_h={config.block_h}, num_warps={config.num_warps}")
     if config.block_n not in (32, 64):
         return f"config.block_n must be 32 or 64 for the Gluon MLA kernel, got {config.block_n}"
+    # the launch counts whole warpgroups: the consumer warps, the producer warp and the idle rest of its group
+    threads = 128 * math.ceil((config.num_warps + 1) / 4)
+    if config.maxnreg is not None and config.maxnreg * threads > REGISTERS:
+        return (f"config.maxnreg={config.maxnreg} x {threads} threads exceeds an SM's {REGISTERS} registers (the "
+                f"Gluon MLA kernel launches {threads}); at most {REGISTERS // threads // 8 * 8}, or None")
     row_bytes = 2 * (v_head_dim + ROPE_DIM)
     shared = (config.num_stages * config.block_n * row_bytes + config.block_h * row_bytes
               + config.block_h * config.block_n * 2)

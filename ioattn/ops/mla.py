@@ -80,7 +80,7 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 # The Gluon MLA decode (`MLAConfig(kernel="gluon")`, sm_90) where it is the default: up to 16 heads (one program
 # per sequence and split) over DeepSeek's latent 512 + RoPE 64.
 GLUON_MLA_DEFAULTS = {
-    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=168,
+    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=128,
                          programs_per_sm=2, kernel="gluon"),
 }
 
