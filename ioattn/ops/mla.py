@@ -77,11 +77,13 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
                      programs_per_sm=2 if tuned_decode and not wide else 1)
 
 
-# The Gluon MLA decode (`MLAConfig(kernel="gluon")`, sm_90) where it is the default: up to 16 heads (one program
-# per sequence and split) over DeepSeek's latent 512 + RoPE 64.
+# The Gluon MLA decode (`MLAConfig(kernel="gluon")`, sm_90) where it was measured faster than the Triton kernel,
+# over DeepSeek's latent 512 + RoPE 64 (bench/results/2026-12-06-gluon-mla-h100): up to 16 heads, one program per
+# sequence and split on mma.sync (1.0-1.37x; the split heuristic filling one program per SM: 4-29% faster than two);
+# 128 heads, 64 per program on wgmma (1.47-1.98x).
 GLUON_MLA_DEFAULTS = {
-    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=32, num_warps=4, num_stages=2, maxnreg=128,
-                         programs_per_sm=2, kernel="gluon"),
+    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
+    (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
 }
 
 
