@@ -176,15 +176,13 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
     return triton.compile(src, target=TARGET, options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", threshold=8.0, wide=False):
+def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False):
     """The Gluon MLA decode (`MLAConfig(kernel="gluon")`) for DeepSeek-V3's latent 512 + rope 64: TMA boxes of
     min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ioattn.kernels import gluon_mla
-
-    kernel = gluon_mla.gluon_mla_wide_decode_kernel if wide else gluon_mla.gluon_mla_decode_kernel
+    from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel as kernel
 
     name, gl_name = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}[cache]
     rows = min(page, block_n)
@@ -195,9 +193,7 @@ def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", 
     types = {n: "i32" for n in kernel.arg_names}
     types.update(descs, Q=f"*{name}", Block_table="*i32", Seq_lens="*i32", Out="*fp32", Lse="*fp32",
                  scale_log2="fp32")
-    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages)
-    if not wide:
-        constexprs["RESCALE_THRESHOLD"] = float(threshold)
+    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
     sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},

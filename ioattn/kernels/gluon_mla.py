@@ -29,10 +29,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ioattn.kernels.gluon_paged import BLOCK_M, PRODUCER_REGS, _LN2, _page_blocks, _rescale
+from ioattn.kernels.gluon_paged import (
+    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, split_tiles, store_rows,
+)
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns per S step: one 128-byte swizzle row of a 16-bit tile
 KEYS_PER_PV: gl.constexpr = gl.constexpr(16)  # keys per O += P·V step (mma's k)
+# the 16-head consumer moves the running max only when some P would pass 2**8 (as the Gluon paged decode's default)
+RESCALE_THRESHOLD: gl.constexpr = gl.constexpr(8.0)
 
 
 @gluon.jit
@@ -61,8 +65,21 @@ def _producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row,
 
 
 @gluon.jit
+def _zero_stale_rows(lat, tile, seq_len):
+    """Zero the rows of latent tile `tile` (a ring stage) at or past seq_len: P·V reads them as V, and a stale row
+    may hold anything (NaN included) that a zero probability would not cancel."""
+    BLOCK_N: gl.constexpr = lat.shape[0]
+    LATENT: gl.constexpr = lat.shape[1]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
+    for c in gl.static_range(LATENT // CHUNK):
+        v_chunk = lat.slice(c * CHUNK, CHUNK, dim=1)
+        v_chunk.store(gl.where((rows < seq_len)[:, None], v_chunk.load(rows_layout), 0.0))
+
+
+@gluon.jit
 def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, j, tile, seq_len,
-                 scale_log2, mma: gl.constexpr, MASKED: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
+                 scale_log2, mma: gl.constexpr, MASKED: gl.constexpr):
     """One latent tile (ring slot j % STAGES) folded into the running state; MASKED: the tile reaches past
     seq_len (its stale rows are masked in S and zeroed before P·V: they may hold anything, NaN included)."""
     STAGES: gl.constexpr = lat_smem.shape[0]
@@ -70,7 +87,6 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
     LATENT: gl.constexpr = lat_smem.shape[2]
     a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     lat = lat_smem.index(stage)
@@ -82,10 +98,7 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
     if MASKED:
         keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
-        rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
-        for c in gl.static_range(LATENT // CHUNK):
-            v_chunk = lat.slice(c * CHUNK, CHUNK, dim=1)
-            v_chunk.store(gl.where((rows < seq_len)[:, None], v_chunk.load(rows_layout), 0.0))
+        _zero_stale_rows(lat, tile, seq_len)
     # P against the running max as it stands; every warp then holds all of P, so "some P above 2**threshold" (or
     # the program's first tile) is one decision taken alike by all warps, and only then is the row max reduced
     m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
@@ -105,7 +118,7 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
 @gluon.jit
 def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
               seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-              stride_lh, scale_log2, RESCALE_THRESHOLD: gl.constexpr):
+              stride_lh, scale_log2):
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     ROPE: gl.constexpr = rope_smem.shape[2]
@@ -130,75 +143,14 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
     full_hi = gl.maximum(gl.minimum(hi, seq_len // BLOCK_N), lo)
     for tile in range(lo, full_hi):
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, scale_log2, mma, False, RESCALE_THRESHOLD)
+                                        tile - lo, tile, seq_len, scale_log2, mma, False)
     for tile in range(full_hi, hi):  # the last tile, partly past seq_len
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, scale_log2, mma, True, RESCALE_THRESHOLD)
+                                        tile - lo, tile, seq_len, scale_log2, mma, True)
 
-    l_i = gl.sum(l_tile, 1)
-    empty_row = l_i == 0.0
-    out = acc / gl.where(empty_row, 1.0, l_i)[:, None]
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * _LN2)
-    rows = gl.arange(0, BLOCK_M, layout=row_layout)
-    cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, mma))
-    head = head_block * BLOCK_M + rows
-    row_ok = head < num_heads
-    o_ptrs = Out + split.to(gl.int64) * stride_os + seq.to(gl.int64) * stride_ot + head[:, None] * stride_oh \
-        + cols[None, :]
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    gl.store(Lse + split.to(gl.int64) * stride_ls + seq.to(gl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
-
-
-@gluon.jit(do_not_specialize=["num_splits", "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
-           do_not_specialize_on_alignment=["Block_table", "Seq_lens"])
-def gluon_mla_decode_kernel(
-    lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse,
-    stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-    scale_log2, num_heads, num_splits,
-    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-):
-    """Grid (cdiv(num_heads, 16), batch, num_splits), 4 warps (+ 1 producer warp). lat_desc / rope_desc: TMA
-    descriptors over the latent cache viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N),
-    LATENT] and [min(PAGE, BLOCK_N), ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT)
-    and Lse (splits, tokens, heads), float32 (or Out in q's dtype with one split), as `mla_attention_kernel`
-    writes them."""
-    LATENT: gl.constexpr = lat_desc.block_type.shape[1]
-    ROPE: gl.constexpr = rope_desc.block_type.shape[1]
-    dtype: gl.constexpr = lat_desc.dtype
-
-    head_block = gl.program_id(0)  # the fastest axis: a sequence's head blocks run together and share its rows in L2
-    seq = gl.program_id(1)
-    split = gl.program_id(2)
-    seq_len = gl.load(Seq_lens + seq)
-    n_tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = gl.minimum(split * per_split, n_tiles)
-    hi = gl.minimum(lo + per_split, n_tiles)
-
-    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
-    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M, LATENT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, LATENT], dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_M, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, ROPE], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    table_row = Block_table + seq.to(gl.int64) * stride_table
-
-    gl.warp_specialize([
-        (_consumer, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
-                     seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                     stride_lt, stride_lh, scale_log2, RESCALE_THRESHOLD)),
-        (_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE,
-                     BLOCK_N)),
-    ], [1], [PRODUCER_REGS])
+    out, lse = finish_rows(acc, m_i, l_tile)
+    store_rows(Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M, stride_os,
+               stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 # --- 64 heads per program on wgmma (the compute-bound shapes: 128 heads at TP 1) --------------------------------
@@ -214,7 +166,6 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
     STAGES: gl.constexpr = lat_smem.shape[0]
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     lat = lat_smem.index(stage)
@@ -225,10 +176,7 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
     if MASKED:
         keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
-        rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
-        for c in gl.static_range(LATENT // CHUNK):
-            v_chunk = lat.slice(c * CHUNK, CHUNK, dim=1)
-            v_chunk.store(gl.where((rows < seq_len)[:, None], v_chunk.load(rows_layout), 0.0))
+        _zero_stale_rows(lat, tile, seq_len)
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
     alpha = gl.exp2(m_i - m_safe)
@@ -248,6 +196,7 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
 def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
                    seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                    stride_lt, stride_lh, scale_log2):
+    """The 64-head consumer (two warpgroups): it moves the running max every tile."""
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     ROPE: gl.constexpr = rope_smem.shape[2]
@@ -278,65 +227,59 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
         acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
                                       tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
 
-    l_i = gl.sum(l_tile, 1)
-    empty_row = l_i == 0.0
-    lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * _LN2)
-    out = acc / gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, o_layout))[:, None]
-    rows = gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
-    head = head_block * WIDE_HEADS + rows
-    o_ptrs = Out + split.to(gl.int64) * stride_os + seq.to(gl.int64) * stride_ot + head[:, None] * stride_oh \
-        + cols[None, :]
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(head < num_heads)[:, None])
-    lse_heads = head_block * WIDE_HEADS + gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, s_layout))
-    gl.store(Lse + split.to(gl.int64) * stride_ls + seq.to(gl.int64) * stride_lt + lse_heads * stride_lh, lse,
-             mask=lse_heads < num_heads)
+    out, lse = finish_rows(acc, m_i, l_tile)
+    store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
+               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
            do_not_specialize_on_alignment=["Block_table", "Seq_lens"])
-def gluon_mla_wide_decode_kernel(
+def gluon_mla_decode_kernel(
     lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse,
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_heads, num_splits,
-    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
 ):
-    """As `gluon_mla_decode_kernel`, with 64 query heads per program on wgmma: grid (cdiv(num_heads, 64), batch,
-    num_splits), 8 warps (two warpgroups) + 1 producer warp."""
+    """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
+    warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
+    viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N), LATENT] and [min(PAGE, BLOCK_N),
+    ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
+    float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
+    HEADS: gl.constexpr = WIDE_HEADS if WIDE else BLOCK_M
     dtype: gl.constexpr = lat_desc.dtype
 
     head_block = gl.program_id(0)  # the fastest axis: a sequence's head blocks run together and share its rows in L2
     seq = gl.program_id(1)
     split = gl.program_id(2)
-    seq_len = gl.load(Seq_lens + seq)
-    n_tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = gl.minimum(split * per_split, n_tiles)
-    hi = gl.minimum(lo + per_split, n_tiles)
+    seq_len, lo, hi = split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N)
 
     lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
     rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
-                                      gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, ROPE], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [WIDE_HEADS, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, BLOCK_N], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [HEADS, LATENT], gl.NVMMASharedLayout.get_default_for([HEADS, LATENT],
+                                                                                                    dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [HEADS, ROPE], gl.NVMMASharedLayout.get_default_for([HEADS, ROPE],
+                                                                                                  dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
+                                                                                                     dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     table_row = Block_table + seq.to(gl.int64) * stride_table
-
-    gl.warp_specialize([
-        (_wide_consumer, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
-                          split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
-                          stride_ls, stride_lt, stride_lh, scale_log2)),
-        (_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE,
-                     BLOCK_N)),
-    ], [1], [PRODUCER_REGS])
+    # (a tuple held in a variable loses its constexprs: the producer's stay written out)
+    consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
+                     seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                     stride_lt, stride_lh, scale_log2)
+    if WIDE:
+        gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
+            lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
+            [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize([(_consumer, consumer_args), (_producer, (
+            lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
+            [1], [PRODUCER_REGS])

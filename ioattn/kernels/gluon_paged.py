@@ -179,7 +179,7 @@ def _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_sm
 
 @gluon.jit
 def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, ready, empty, seq, kv_head, split,
-              seq_len, n_tiles, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+              seq_len, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
               stride_lh, scale_log2, GROUP: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr):
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = k_smem.shape[2]
@@ -191,7 +191,6 @@ def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, r
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     q_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=K_WIDTH)
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma)
 
     q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
     q_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, q_layout))
@@ -220,20 +219,47 @@ def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, r
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q, scale_rows, k_smem, v_smem, v16_smem, p_smem, ready, empty,
                                         tile - lo, tile, seq_len, mma, True, RESCALE_THRESHOLD)
 
-    l_i = gl.sum(l_tile, 1)
-    empty_row = l_i == 0.0
-    out = acc / gl.where(empty_row, 1.0, l_i)[:, None]
+    out, lse = finish_rows(acc, m_i, l_tile)
     if FP8:
         out = out * gl.load(V_scale + kv_head)
+    store_rows(Out, Lse, out, lse, split, seq, kv_head * GROUP, GROUP, stride_os, stride_ot, stride_oh, stride_ls,
+               stride_lt, stride_lh)
+
+
+@gluon.jit
+def split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N: gl.constexpr):
+    """(seq_len, lo, hi): sequence `seq`'s length and the key tiles [lo, hi) of split `split` (empty past the end)."""
+    seq_len = gl.load(Seq_lens + seq)
+    n_tiles = gl.cdiv(seq_len, BLOCK_N)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    lo = gl.minimum(split * per_split, n_tiles)
+    return seq_len, lo, gl.minimum(lo + per_split, n_tiles)
+
+
+@gluon.jit
+def finish_rows(acc, m_i, l_tile):
+    """(O / l, the natural-log LSE) of a finished running state whose row sums stay per key column (l_tile);
+    rows that saw no key give 0 and -inf, never NaN."""
+    l_i = gl.sum(l_tile, 1)
+    empty_row = l_i == 0.0
+    out = acc / gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc.type.layout))[:, None]
     lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * _LN2)
-    rows = gl.arange(0, BLOCK_M, layout=row_layout)
-    cols = gl.arange(0, HEAD_DIM, layout=col_layout)
-    head = kv_head * GROUP + rows
-    row_ok = rows < GROUP
-    o_ptrs = Out + split.to(gl.int64) * stride_os + seq.to(gl.int64) * stride_ot + head[:, None] * stride_oh \
-        + cols[None, :]
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    gl.store(Lse + split.to(gl.int64) * stride_ls + seq.to(gl.int64) * stride_lt + head * stride_lh, lse, mask=row_ok)
+    return out, lse
+
+
+@gluon.jit
+def store_rows(Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh, stride_ls,
+               stride_lt, stride_lh):
+    """Rows r < live_rows of out (heads first_head + r) and of lse to their split's partials (Out (splits,
+    tokens, heads, D), Lse (splits, tokens, heads))."""
+    rows = gl.arange(0, out.shape[0], layout=gl.SliceLayout(1, out.type.layout))
+    cols = gl.arange(0, out.shape[1], layout=gl.SliceLayout(0, out.type.layout))
+    o_ptrs = Out + split.to(gl.int64) * stride_os + seq.to(gl.int64) * stride_ot \
+        + (first_head + rows)[:, None] * stride_oh + cols[None, :]
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(rows < live_rows)[:, None])
+    lse_rows = gl.arange(0, lse.shape[0], layout=lse.type.layout)
+    gl.store(Lse + split.to(gl.int64) * stride_ls + seq.to(gl.int64) * stride_lt + (first_head + lse_rows) * stride_lh,
+             lse, mask=lse_rows < live_rows)
 
 
 @gluon.jit(do_not_specialize=["num_splits", "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
@@ -256,11 +282,7 @@ def gluon_paged_decode_kernel(
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)
-    seq_len = gl.load(Seq_lens + seq)
-    n_tiles = gl.cdiv(seq_len, BLOCK_N)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    lo = gl.minimum(split * per_split, n_tiles)
-    hi = gl.minimum(lo + per_split, n_tiles)
+    seq_len, lo, hi = split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N)
 
     k_smem = gl.allocate_shared_memory(cache_dtype, [STAGES, BLOCK_N, HEAD_DIM], ring_layout)
     v_smem = gl.allocate_shared_memory(cache_dtype, [STAGES, BLOCK_N, HEAD_DIM], ring_layout)
@@ -278,7 +300,7 @@ def gluon_paged_decode_kernel(
 
     gl.warp_specialize([
         (_consumer, (Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, ready, empty, seq, kv_head, split,
-                     seq_len, n_tiles, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                     seq_len, lo, hi, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                      stride_lt, stride_lh, scale_log2, GROUP, RESCALE_THRESHOLD)),
         (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, table_row, seq_len, lo, hi, kv_head, PAGE,
                      BLOCK_N)),

@@ -17,7 +17,6 @@ from ioattn.ops.gluon_paged import cache_descriptor
 
 ROPE_DIM = 64
 MAX_LATENT = 512
-RESCALE_THRESHOLD = 8.0  # the running max moves only when some P would pass 2**8 (as the Gluon paged decode)
 SHARED_BYTES = 227 * 1024
 REGISTERS = 65536
 
@@ -82,15 +81,13 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
     batch, num_heads, _ = q.shape
     rows = min(latent_cache.shape[1], config.block_n)
     wide = config.block_h == 64
-    kernel = gluon_mla.gluon_mla_wide_decode_kernel if wide else gluon_mla.gluon_mla_decode_kernel
-    extra = {} if wide else {"RESCALE_THRESHOLD": RESCALE_THRESHOLD}
-    kernel[(math.ceil(num_heads / config.block_h), batch, splits)](
+    gluon_mla.gluon_mla_decode_kernel[(math.ceil(num_heads / config.block_h), batch, splits)](
         cache_descriptor(latent_cache, rows, v_head_dim), cache_descriptor(latent_cache, rows, ROPE_DIM), q,
         block_table, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), block_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
-        BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages,
-        num_warps=config.num_warps, maxnreg=config.maxnreg, **extra,
+        BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
+        num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from sm90_builds import build_records
+from test_gluon_paged import replay_with_new_lengths_and_tables
 from test_mla import latent_pool, reference, run_case
 
 from ioattn.ops.mla import GLUON_MLA_DEFAULTS, MLAConfig, explain_mla, mla_paged_attention
@@ -233,15 +234,6 @@ def test_cuda_graph_replays_with_new_lengths_and_tables():
         mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.05, out=out, num_splits=1,
                             config=DEFAULT, validate=False)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    new_lens = [100, 30, 640]  # within the flipped rows: 128, 33 and 700 tokens of blocks
-    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-    table.copy_(table.flip(0))
-    q.normal_()
-    out.fill_(float("nan"))
-    graph.replay()
+    new_lens = replay_with_new_lengths_and_tables(step, lens, table, q, out)
     ref, _ = reference(q, cache, table, new_lens, [1] * 3, 512, 0.05)
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]

@@ -259,6 +259,22 @@ def test_conditional_rescale_is_exact_on_gpu(fp8):
             assert lse_error(lse, ref_lse.t()) < 1e-2, (growing, splits)
 
 
+def replay_with_new_lengths_and_tables(step, lens, table, q, out) -> list[int]:
+    """Capture `step` (sequences of 700, 33 and 128 tokens) in a CUDA graph, then replay it with new lengths, the
+    table's rows flipped, new queries and a poisoned output; returns the new lengths."""
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    new_lens = [100, 30, 640]  # within the flipped rows: 128, 33 and 700 tokens of blocks
+    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    table.copy_(table.flip(0))
+    q.normal_()
+    out.fill_(float("nan"))
+    graph.replay()
+    return new_lens
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replays_with_new_lengths_and_tables():
     seq_lens = [700, 33, 128]
@@ -272,15 +288,6 @@ def test_cuda_graph_replays_with_new_lengths_and_tables():
         paged_attention(q, k_cache, v_cache, table, lens, out=out, k_scale=k_scale, v_scale=v_scale, num_splits=1,
                         config=GLUON["fp8"], validate=False)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    new_lens = [100, 30, 640]  # within the flipped rows: 128, 33 and 700 tokens of blocks
-    lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
-    table.copy_(table.flip(0))
-    q.normal_()
-    out.fill_(float("nan"))
-    graph.replay()
+    new_lens = replay_with_new_lengths_and_tables(step, lens, table, q, out)
     ref, _ = reference(q, k_cache, v_cache, table, new_lens, [1] * 3, k_scale, v_scale)
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
