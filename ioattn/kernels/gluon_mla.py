@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ioattn.kernels.gluon_paged import (
-    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, split_tiles, store_rows,
+    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, ring_barriers, split_tiles, store_rows,
 )
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns per S step: one 128-byte swizzle row of a 16-bit tile
@@ -78,6 +78,19 @@ def _zero_stale_rows(lat, tile, seq_len):
 
 
 @gluon.jit
+def _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout: gl.constexpr):
+    """The queries of heads first_head.. of sequence `seq` to shared memory: the latent part and the RoPE part of
+    each row (rows past num_heads as 0)."""
+    LATENT: gl.constexpr = q_lat.shape[1]
+    heads = first_head + gl.arange(0, q_lat.shape[0], layout=gl.SliceLayout(1, q_layout))
+    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
+    q_lat.store(gl.load(q_row + q_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    r_cols = gl.arange(0, q_rope.shape[1], layout=gl.SliceLayout(0, q_layout))
+    q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+
+
+@gluon.jit
 def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, j, tile, seq_len,
                  scale_log2, mma: gl.constexpr, MASKED: gl.constexpr):
     """One latent tile (ring slot j % STAGES) folded into the running state; MASKED: the tile reaches past
@@ -121,20 +134,12 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
               stride_lh, scale_log2):
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
-    ROPE: gl.constexpr = rope_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NUM_WARPS], [1, 0])
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma)
 
-    # Q of this head block to shared memory: the latent part, then the RoPE part after it in each row
-    q_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))
-    heads = head_block * BLOCK_M + q_rows
-    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    q_lat.store(gl.load(q_row + q_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
-    r_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
-    q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    _stage_q(Q, q_lat, q_rope, seq, head_block * BLOCK_M, num_heads, stride_qt, stride_qh, q_layout)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)  # row sums per key column, reduced at the end
@@ -199,7 +204,6 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
     """The 64-head consumer (two warpgroups): it moves the running max every tile."""
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
-    ROPE: gl.constexpr = rope_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
     q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
@@ -207,13 +211,7 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
                                                        instr_shape=[16, LATENT // (NUM_WARPS // 4), 16])
 
-    q_rows = gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, q_layout))
-    heads = head_block * WIDE_HEADS + q_rows
-    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    q_lat.store(gl.load(q_row + q_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
-    r_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, q_layout))
-    q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    _stage_q(Q, q_lat, q_rope, seq, head_block * WIDE_HEADS, num_heads, stride_qt, stride_qh, q_layout)
     fence_async_shared()
 
     m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -265,11 +263,7 @@ def gluon_mla_decode_kernel(
                                                                                                   dtype))
     p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
                                                                                                      dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     table_row = Block_table + seq.to(gl.int64) * stride_table
     # (a tuple held in a variable loses its constexprs: the producer's stay written out)
     consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,

@@ -227,6 +227,17 @@ def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, r
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """(ready, empty): an mbarrier per ring stage for each direction, one arrival each."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N: gl.constexpr):
     """(seq_len, lo, hi): sequence `seq`'s length and the key tiles [lo, hi) of split `split` (empty past the end)."""
     seq_len = gl.load(Seq_lens + seq)
@@ -291,11 +302,7 @@ def gluon_paged_decode_kernel(
                                                       HEAD_DIM], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
     p_smem = gl.allocate_shared_memory(gl.float16 if cache_dtype.primitive_bitwidth == 8 else Q.dtype.element_ty,
                                        [BLOCK_M, BLOCK_N], gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = ring_barriers(STAGES)
     table_row = Block_table + seq.to(gl.int64) * stride_table
 
     gl.warp_specialize([
