@@ -130,8 +130,8 @@ class MLAPlan:
             return (f"torch MLA: {torch_paged.DESCRIPTION}; V is the latent part of the same rows"
                     + (f" ({self.reason})" if self.reason else ""))
         cfg = self.config
-        name = ("gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, mma.sync)"
-                if cfg.kernel == "gluon" else "mla_attention_kernel")
+        name = (f"gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, "
+                f"{'wgmma' if cfg.block_h == 64 else 'mma.sync'})" if cfg.kernel == "gluon" else "mla_attention_kernel")
         launch = (f"{name} BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
                   f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
                   + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))
