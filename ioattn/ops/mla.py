@@ -80,11 +80,13 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 # The Gluon MLA decode (`MLAConfig(kernel="gluon")`, sm_90) where it was measured faster than the Triton kernel,
 # over DeepSeek's latent 512 + RoPE 64 (bench/results/2026-12-06-gluon-mla-h100): up to 16 heads, one program per
 # sequence and split on mma.sync (1.0-1.37x; the split heuristic filling one program per SM: 4-29% faster than two);
-# 128 heads, 64 per program on wgmma (1.47-1.98x).
+# 128 heads, 64 per program on wgmma (1.47-1.98x), from 8 sequences: a lone sequence's programs are too short for
+# the wgmma kernel's fixed cost (0.64-0.91x torch's bmm at B1 L <= 8k, where the Triton kernel did better).
 GLUON_MLA_DEFAULTS = {
     (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
     (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
 }
+GLUON_MLA_MIN_BATCH = {(16, 512): 1, (128, 512): 8}
 
 
 def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tuple[MLAConfig | None, str]:
@@ -94,9 +96,13 @@ def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tupl
     why_not = gluon_mla_unsupported(q, latent_cache, v_head_dim, decode=decode)
     if why_not is not None:
         return None, why_not
-    config = GLUON_MLA_DEFAULTS.get((max(16, next_power_of_2(q.shape[1])), v_head_dim))
+    key = (max(16, next_power_of_2(q.shape[1])), v_head_dim)
+    config = GLUON_MLA_DEFAULTS.get(key)
     if config is None:
         return None, f"the Gluon MLA decode is not the default for {q.shape[1]} heads at v_head_dim {v_head_dim}"
+    if q.shape[0] < GLUON_MLA_MIN_BATCH[key]:
+        return None, (f"the Gluon MLA decode at {q.shape[1]} heads is the default from {GLUON_MLA_MIN_BATCH[key]} "
+                      f"sequences, got {q.shape[0]}")
     return config, f"sm_90, {q.shape[1]} heads, latent {v_head_dim}: the Gluon MLA decode"
 
 
@@ -379,9 +385,16 @@ def compile_mla_variants(num_heads: int, latent_cache: torch.Tensor, v_head_dim:
     # Every position of the longest query in block 0 (read only): the table covers all of them.
     table = torch.zeros(1, cdiv(lengths[-1], latent_cache.shape[1]), dtype=torch.int32, device=device)
     common = dict(v_head_dim=v_head_dim, backend="triton", validate=None)  # checked where checks are on
+    # decode at one sequence and at the batch from which the default kernel changes (GLUON_MLA_MIN_BATCH)
+    batches = sorted({1, *GLUON_MLA_MIN_BATCH.values()})
+    decode_q = torch.zeros(batches[-1], num_heads, width, dtype=latent_cache.dtype, device=device)
+    decode_table = torch.zeros(batches[-1], 1, dtype=torch.int32, device=device)
     for splits in (1 << i for i in range(MAX_SPLITS.bit_length())):
-        mla_paged_attention(q[:1], latent_cache, table, torch.ones(1, dtype=torch.int32, device=device),
-                            num_splits=splits, workspace=workspace, **common)
+        for batch in batches:
+            if workspace is None or batch <= workspace.partial_out.shape[1]:
+                mla_paged_attention(decode_q[:batch], latent_cache, decode_table[:batch],
+                                    torch.ones(batch, dtype=torch.int32, device=device), num_splits=splits,
+                                    workspace=workspace, **common)
         for length in lengths:  # the engine's multi-token calls take split scratch of their own
             cu_seqlens_q = torch.tensor([0, length], dtype=torch.int32, device=device)
             mla_paged_attention(q[:length], latent_cache, table, cu_seqlens_q.new_tensor([length]),

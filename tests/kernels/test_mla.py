@@ -267,6 +267,10 @@ def test_compile_variants_cover_every_split_count_and_query_tile_count(monkeypat
     assert sorted(calls, key=str) == sorted([(None, s, True) for s in splits]
                                             + [(n, s, False) for s in splits for n in (1, 2 * tile, 16 * tile)],
                                             key=str)
+    # a workspace for 8 sequences also warms decode at 8: the batch from which 128 heads take the Gluon kernel
+    calls.clear()
+    mla.compile_mla_variants(4, cache, 64, workspace=mla_workspace(8, 4, 64))
+    assert sorted(c for c in calls if c[0] is None) == sorted([(None, s, True) for s in splits] * 2)
 
 
 def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
