@@ -168,16 +168,18 @@ def test_smaller_latent_on_gpu():
 
 @pytest.mark.gpu
 def test_default_plan_takes_gluon_at_16_and_128_heads_on_sm90():
-    cache, table = latent_pool([300, 40], page=64, dim=576, dtype=torch.bfloat16, device="cuda")
-    lens = torch.tensor([300, 40], dtype=torch.int32, device="cuda")
+    seq_lens = [300, 40, 1, 77, 128, 5, 64, 900]
+    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     sm90 = torch.cuda.get_device_capability() == (9, 0)
-    for heads, gluon in ((16, sm90), (8, sm90), (128, sm90), (64, False)):
-        q = torch.randn(2, heads, 576, dtype=torch.bfloat16, device="cuda")
-        plan = str(explain_mla(q, cache, table, lens, v_head_dim=512))
+    # 128 heads take the wgmma kernel from 8 sequences (GLUON_MLA_MIN_BATCH), 16 heads and fewer from one
+    for heads, batch, gluon in ((16, 1, sm90), (8, 8, sm90), (128, 8, sm90), (128, 7, False), (64, 8, False)):
+        q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device="cuda")
+        plan = str(explain_mla(q, cache, table[:batch], lens[:batch], v_head_dim=512))
         assert ("gluon_mla_decode_kernel" in plan) == gluon, plan
         assert ("producer warp, wgmma" in plan) == (gluon and heads == 128), plan
     q = torch.randn(2, 16, 576, dtype=torch.bfloat16, device="cuda")
-    multi = str(explain_mla(q, cache, table, lens, v_head_dim=512, cu_seqlens_q=torch.tensor(
+    multi = str(explain_mla(q, cache, table[:2], lens[:2], v_head_dim=512, cu_seqlens_q=torch.tensor(
         [0, 1, 2], dtype=torch.int32, device="cuda"), max_seqlen_q=1))
     assert "mla_attention_kernel" in multi, multi
 
