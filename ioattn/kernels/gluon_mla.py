@@ -1,5 +1,6 @@
-"""Absorbed MLA decode for sm_90 in Gluon: a producer warp brings latent rows in by TMA, four consumer warps do the
-math (the design of `ioattn.kernels.gluon_paged`, for MLA's one shared KV head of LATENT + ROPE values).
+"""Absorbed MLA decode for sm_90 in Gluon: a producer warp brings latent rows in by TMA, consumer warps do the math
+(the design of `ioattn.kernels.gluon_paged`, for MLA's one shared KV head of LATENT + ROPE values): 16 query heads
+per program on mma.sync, or (WIDE) 64 on wgmma for the compute-bound head counts.
 
 A cached row is one token's latent (LATENT values, 512 in DeepSeek-V3) followed by its RoPE key (ROPE, 64). In
 the absorbed form every query head attends to the same rows: S = q_latent · latentᵀ + q_rope · k_ropeᵀ and
@@ -15,6 +16,9 @@ O = P · latent, so V is the latent part of the very tile K came from and is rea
   some P would pass 2**RESCALE_THRESHOLD (as `gluon_paged`'s conditional rescale: exact either way). The last
   tile, which may reach past seq_len, is peeled: its stale rows are masked in S and zeroed in the stage before
   P · V reads them.
+
+- WIDE: two consumer warpgroups; S = Q·Kᵀ and O += P·V on wgmma from shared memory, the warpgroups splitting S's
+  keys and O's LATENT columns (64 x 256 float32 each at 512), the running max moved every tile.
 
 Out/Lse take `ioattn.kernels.mla_attention`'s layout (split partials merged by `ioattn.kernels.combine`). Decode
 only; bf16 or fp16; LATENT a multiple of 64 up to 512, ROPE 64; pages of 16+ slots.
