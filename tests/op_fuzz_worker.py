@@ -20,6 +20,7 @@ import torch
 import ioattn
 from attention_grad_ref import attention_grads_ref, gradient_error, gradient_magnitudes
 from ioattn.ops.fp8 import KV_CACHE_DTYPES, dequantize, quantize
+from ioattn.ops.mla import MLAConfig
 from ioattn.ops.paged import PagedConfig
 from ioattn.reference import TOLERANCE, attention_ref, rel_error
 
@@ -370,6 +371,17 @@ def run_block_copy(case, device):
     return _compare("dst", dst.float(), want, torch.float32)
 
 
+# mla_paged_attention's config=: the default, an explicit Triton tile, the Gluon decode at 16 and at 64 heads per
+# program (sm_90, latent a multiple of 64 with a RoPE part of 64 only), and a Gluon tile it cannot build
+MLA_CONFIGS = {
+    None: None,
+    "triton": MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1),
+    "gluon": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
+    "gluon_wgmma": MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
+    "gluon_block_n_16": MLAConfig(block_h=16, block_m=16, block_n=16, kernel="gluon"),
+}
+
+
 def run_mla(case, device):
     """mla_paged_attention (decode, or multi-token with cu_seqlens_q) against the float64 reference: one shared
     KV head whose K is each whole latent row and V its first v_head_dim columns."""
@@ -393,7 +405,7 @@ def run_mla(case, device):
     cu = None if decode else _cu(q_lens, device, case["cu_q"], q.shape[0])
     out = ioattn.mla_paged_attention(q, cache, table, seq_lens, v_head_dim=case["v_head_dim"], cu_seqlens_q=cu,
                                      softmax_scale=case["scale"], num_splits=case["splits"],
-                                     backend=case.get("backend", "auto"))
+                                     backend=case.get("backend", "auto"), config=MLA_CONFIGS[case.get("config")])
     rows_of = cache.reshape(-1, latent + rope).cpu()
     outs, start = [], 0
     for b, (n, m) in enumerate(zip(lens, q_lens)):
