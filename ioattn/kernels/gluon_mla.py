@@ -174,7 +174,6 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
     warpgroups splitting each product's columns (S: the keys; O: the latent's 512 values)."""
     STAGES: gl.constexpr = lat_smem.shape[0]
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
-    LATENT: gl.constexpr = lat_smem.shape[2]
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     lat = lat_smem.index(stage)
