@@ -21,6 +21,7 @@ arguments are taken as 16-byte aligned, as the launcher's specialisation finds t
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import subprocess
@@ -65,6 +66,25 @@ def sass_opcodes(kernel) -> collections.Counter:
     per-element work goes, e.g. F2F / F2FP / PRMT for conversions, LDSM against LDS for shared-memory reads."""
     lines = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", cuobjdump(kernel, "-sass"))
     return collections.Counter(lines)
+
+
+def matmul_loops(kernel) -> list[dict]:
+    """The SASS loops (a branch back to an earlier address) that issue wgmmas (HGMMA; QGMMA for fp8), shortest
+    first: their instructions, wgmmas and local-memory spill accesses (STL / LDL). A spill in the K/V loop costs
+    every tile; one outside it, once per work tile."""
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);",
+                                                                    cuobjdump(kernel, "-sass"))]
+    loops = []
+    for address, text in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target is None or int(target.group(1), 16) > address:
+            continue
+        body = [t for a, t in code if int(target.group(1), 16) <= a <= address]
+        wgmma = sum(bool(re.search(r"\b[HQ]GMMA\b", t)) for t in body)
+        if wgmma:
+            loops.append(dict(start=int(target.group(1), 16), end=address, instructions=len(body), wgmma=wgmma,
+                              spills=sum(bool(re.search(r"\b(STL|LDL)\b", t)) for t in body)))
+    return sorted(loops, key=lambda loop: loop["instructions"])
 
 
 def paged_kernel(block_m, block_n, warps, stages, page, decode, maxnreg=None, fp8=None, dtype="bf16", cast=False,
@@ -117,7 +137,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
-    from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, tile_layout
+    from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, separate_o, tile_layout
 
     fp8 = dtype == "fp8"
     cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim)
@@ -131,8 +151,10 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
 
     types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
                  o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
+    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages)
     constexprs = dict(CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
-                      PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs)
+                      PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                      SEPARATE_O=separate_o(head_dim, cfg, 2, fp8))
     if fp8:
         from triton.experimental.gluon import language as gl
 

@@ -58,7 +58,9 @@ def _backends(variants: bool, configs: bool) -> dict:
                                                                  enable_gqa=k.shape[2] != q.shape[2])
         return o.transpose(1, 2)
 
-    backends = {"gluon": gluon(), "ioattn": ioattn_fwd, "torch-cudnn": cudnn}
+    # gluon-per-tile: the same kernel on one program per work tile, the grid before the persistent one
+    backends = {"gluon": gluon(), "gluon-per-tile": gluon(persistent=False), "ioattn": ioattn_fwd,
+                "torch-cudnn": cudnn}
     if variants:
         backends.update({"gluon-no-pingpong": gluon(pingpong=False),
                          "gluon-rescale-conditional": gluon(rescale_threshold=8.0)})

@@ -1,11 +1,15 @@
 """FlashAttention-3-style forward for sm_90 in Gluon: a TMA producer warp and two consumer warpgroups.
 
-One program covers 2 x BLOCK_M query rows of one (batch, head). Its warps split three ways
-(`gl.warp_specialize`):
+A work tile is 2 x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the work
+tiles tile = program_id, + num_programs, ... (the launcher sizes the grid to the SMs; one program per tile is the
+non-persistent case). Its warps split three ways (`gl.warp_specialize`):
 
-- the producer (1 warp, few registers) TMA-loads both Q tiles once, then streams K and V tiles through a
-  STAGES-deep shared-memory ring: per stage one ready and one empty mbarrier for K and another pair for V, so
-  S = Q·Kᵀ can start as soon as K lands while V is still in flight;
+- the producer (1 warp, few registers) TMA-loads a work tile's two Q tiles once their buffers are free (a Q-empty
+  mbarrier per consumer), then streams its K and V tiles through a STAGES-deep shared-memory ring: per stage one
+  ready and one empty mbarrier for K and another pair for V, so S = Q·Kᵀ can start as soon as K lands while V
+  is still in flight. The ring's and the barriers' counters run on across work tiles, so the next tile's Q, K and
+  V load while the consumers finish the last P·V and store O (O has a buffer of its own where shared memory
+  allows; otherwise it is staged in Q's, which is then freed only once the store has read it);
 - two consumer warpgroups (the default partition and one 4-warp worker), each owning its own BLOCK_M = 64-row
   Q tile and reading the same K/V stages (the empty barriers count both consumers' arrivals). 64 rows is the
   wgmma atom for one warpgroup and keeps S (64 x BLOCK_N fp32), O (64 x D fp32) and P (16-bit) in registers
@@ -26,8 +30,8 @@ result is exact because the final O / l and LSE use the same stale max.
 Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
 sequence's end read as zero and are clipped on store, per batch. Causal is aligned bottom-right (query i sees
 keys <= i + Nk - Nq). Rows that see no key get O = 0 and LSE = -inf. Scores are masked only on K/V tiles that
-cross the causal diagonal or the end of K. Programs run longest-first (the last query tiles, which see the
-most keys under causal, get the lowest program ids).
+cross the causal diagonal or the end of K. Work tiles run longest-first: the last query tiles, which see the
+most keys under causal, come first, every (batch, head) of one query block before the next.
 """
 
 from __future__ import annotations
@@ -58,39 +62,53 @@ def _blocks_needed(rows_end, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, kv_head, m_start, n_q, n_k,
-              CAUSAL: gl.constexpr):
-    q_ready, k_ready, k_empty, v_ready, v_empty, turns = bars
+def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr):
+    """Work tile -> (batch, head, first query row): query blocks from the last down, (batch, head) fastest."""
+    bh = tile % batch_heads
+    return bh // n_heads, bh % n_heads, (n_m_blocks - 1 - tile // batch_heads) * ROWS
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks, n_q,
+              n_k, CAUSAL: gl.constexpr):
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     box_q: gl.constexpr = [1, BLOCK_M, 1, q_smem.shape[2]]
     box_kv: gl.constexpr = [1, BLOCK_N, 1, k_smem.shape[2]]
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8  # then V is transposed: [STAGES, D, BLOCK_N]
-    for c in gl.static_range(CONSUMERS):
-        row_start = m_start + c * BLOCK_M
-        if row_start < n_q:  # as the consumer's `active`
+    it = 0  # K/V tiles loaded so far: the ring's position and phase
+    t_local = 0  # work tiles of this program so far: the Q barriers' phase
+    for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
+        batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M)
+        kv_head = head // group
+        for c in gl.static_range(CONSUMERS):
+            # a box wholly past the end of Q loads zeros: every work tile loads, waits and frees both Q tiles
+            mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, row_start, head, 0], q_ready.index(c),
+            tma.async_copy_global_to_shared(q_desc, [batch, m_start + c * BLOCK_M, head, 0], q_ready.index(c),
                                             q_smem.index(c).reshape(box_q))
-    # the last consumer's rows see the most keys; the first skips the tiles past its own
-    n_blocks = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
-    for j in range(n_blocks):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
-                                        k_smem.index(stage).reshape(box_kv))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        if FP8:  # V transposed (B, Hkv, D, keys): box [1, 1, D, BLOCK_N]
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(stage),
-                                            v_smem.index(stage).reshape([1, 1, v_smem.shape[1], BLOCK_N]))
-        else:
-            tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
-                                            v_smem.index(stage).reshape(box_kv))
+        # the last consumer's rows see the most keys; the first skips the tiles past its own
+        n_blocks = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
+        for j in range(n_blocks):
+            stage = it % STAGES
+            phase = (it // STAGES) & 1
+            # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
+                                            k_smem.index(stage).reshape(box_kv))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            if FP8:  # V transposed (B, Hkv, D, keys): box [1, 1, D, BLOCK_N]
+                tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(stage),
+                                                v_smem.index(stage).reshape([1, 1, v_smem.shape[1], BLOCK_N]))
+            else:
+                tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
+                                                v_smem.index(stage).reshape(box_kv))
+            it += 1
+        t_local += 1
 
 
 @gluon.jit
@@ -146,7 +164,8 @@ def _pass_turn(turns, c: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _release(k_ready, k_empty, v_ready, v_empty, j):
-    """Give tile j's K and V stages back unread (once loaded: an early arrival would count for a later lap)."""
+    """Give the ring's tile j (as the producer counts them) back unread (once loaded: an early arrival would count
+    for a later lap)."""
     STAGES: gl.constexpr = k_ready.shape[0]
     stage = j % STAGES
     phase = (j // STAGES) & 1
@@ -164,10 +183,10 @@ def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block, last_block):
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
-              m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    q_ready, k_ready, k_empty, v_ready, v_empty, turns = bars
+def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
+              batch_heads, n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL: gl.constexpr,
+              RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr):
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -188,183 +207,211 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     gl.static_assert(STAGES >= 2, "ping-pong and the P·V lag need two K/V stages")
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    row_start = m_start + c * BLOCK_M
-    active = row_start < n_q  # the last program's second Q tile may lie wholly past the end of Q
-    rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
-    n_all = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
-    n_own = gl.where(active, _blocks_needed(row_start + BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N), 0)
-    # tiles before n_plain need no score mask: inside K's length and, under causal, left of every row's diagonal
-    n_plain = n_k // BLOCK_N
-    if CAUSAL:
-        n_plain = gl.minimum(n_plain, gl.maximum(row_start + n_k - n_q + 1, 0) // BLOCK_N)
-
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-    o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)  # FP8: P·V's fresh accumulator (ignored)
+    q = q_smem.index(c)
+    # O goes out through a buffer of its own, or through Q's once the last S wgmma has read Q
+    staged = o_smem.index(c) if SEPARATE_O else q
     if FP8:
         p_smem = p_buffers.index(c)
-        q_scales, k_scales, v_scales, scale_block, last_block = scales
-        row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
-        # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
-        k_scale_next = _tile_scale(k_scales, 0, BLOCK_N, scale_block, last_block)
+        q_scale_base, k_scale_base, v_scale_base, scale_block, scale_blocks_q, scale_blocks_k = scales
 
-    q = q_smem.index(c)
-    if active:
-        mbarrier.wait(q_ready.index(c), 0)  # also before O reuses the buffer when no tile is seen
-    if n_own > 0:
-        # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
-        mbarrier.wait(k_ready.index(0), 0)
-        _take_turn(turns, c, 0, PINGPONG)
-        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
-        _pass_turn(turns, c, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=[s])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        if n_plain == 0:
-            s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+    it = 0  # K/V tiles of the ring passed so far (as the producer counts them)
+    t_local = 0  # work tiles of this program so far; each took it + 1 ping-pong turns
+    for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
+        batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M)
+        row_start = m_start + c * BLOCK_M
+        active = row_start < n_q  # the last query block's second Q tile may lie wholly past the end of Q
+        rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
+        n_all = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
+        n_own = gl.where(active, _blocks_needed(row_start + BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N), 0)
+        # tiles before n_plain need no score mask: inside K's length and, under causal, left of every row's diagonal
+        n_plain = n_k // BLOCK_N
+        if CAUSAL:
+            n_plain = gl.minimum(n_plain, gl.maximum(row_start + n_k - n_q + 1, 0) // BLOCK_N)
+
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
         if FP8:
-            tile_rows = row_scale * k_scale_next
-            k_scale_next = _tile_scale(k_scales, 1, BLOCK_N, scale_block, last_block)
-            v_scale_prev = _tile_scale(v_scales, 0, BLOCK_N, scale_block, last_block)
-            p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                        RESCALE_THRESHOLD, P_LOG2)
-        else:
-            p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                        RESCALE_THRESHOLD, P_LOG2)
-        if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-        else:
-            p = gl.convert_layout(p.to(dtype), p_layout)
-        for j in range(1, n_own):
-            stage = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-            _take_turn(turns, c, j, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
-            if FP8:
-                pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False, is_async=True)
-                k_scale = k_scale_next
-                v_scale = v_scale_prev
-                k_scale_next = _tile_scale(k_scales, j + 1, BLOCK_N, scale_block, last_block)
-                v_scale_prev = _tile_scale(v_scales, j, BLOCK_N, scale_block, last_block)
-            else:
-                o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+            kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
+            k_scales = k_scale_base + kv_row
+            v_scales = v_scale_base + kv_row
+            q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
+            row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
+            # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
+            k_scale_next = _tile_scale(k_scales, 0, BLOCK_N, scale_block, scale_blocks_k - 1)
+
+        slot_base = it + t_local  # ping-pong turns taken before this work tile
+        mbarrier.wait(q_ready.index(c), t_local & 1)
+        if n_own > 0:
+            # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
+            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+            _take_turn(turns, c, slot_base, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_init, use_acc=False, is_async=True)
             _pass_turn(turns, c, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
-            mbarrier.arrive(k_empty.index(stage), count=1)
-            if j >= n_plain:
-                s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
+            if n_plain == 0:
+                s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
             if FP8:
-                tile_rows = row_scale * k_scale
-                p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                                 RESCALE_THRESHOLD, P_LOG2)
-                pv = warpgroup_mma_wait(0, deps=[pv])
-                mbarrier.arrive(v_empty.index(prev), count=1)
-                o = o + pv * v_scale
+                tile_rows = row_scale * k_scale_next
+                k_scale_next = _tile_scale(k_scales, 1, BLOCK_N, scale_block, scale_blocks_k - 1)
+                v_scale_prev = _tile_scale(v_scales, 0, BLOCK_N, scale_block, scale_blocks_k - 1)
+                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                            RESCALE_THRESHOLD, P_LOG2)
             else:
-                p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                                 RESCALE_THRESHOLD, P_LOG2)
-                o, p = warpgroup_mma_wait(0, deps=[o, p])
-                mbarrier.arrive(v_empty.index(prev), count=1)
-            if rescale:
-                o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-            if FP8:
-                p_smem.store(p_next.to(dtype))
+                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                            RESCALE_THRESHOLD, P_LOG2)
+            if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
+                p_smem.store(p.to(dtype))
                 fence_async_shared()
             else:
-                p = gl.convert_layout(p_next.to(dtype), p_layout)
-        # slot n_own: the last tile's P·V
-        last = (n_own - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((n_own - 1) // STAGES) & 1)
-        _take_turn(turns, c, n_own, PINGPONG)
-        if FP8:
-            pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
-            _pass_turn(turns, c, PINGPONG)
-            pv = warpgroup_mma_wait(0, deps=[pv])
-            o = o + pv * v_scale_prev
+                p = gl.convert_layout(p.to(dtype), p_layout)
+            # two copies of the loop: the tiles no score mask touches, then those that cross the diagonal or the
+            # end of K (the unmasked copy is a third shorter, and neither spills: the persistent loop's state does)
+            for masked in gl.static_range(2):
+                if masked == 0:
+                    j_start = 1
+                    j_end = gl.minimum(n_plain, n_own)
+                else:
+                    j_start = gl.maximum(n_plain, 1)
+                    j_end = n_own
+                for j in range(j_start, j_end):
+                    stage = (it + j) % STAGES
+                    prev = (it + j - 1) % STAGES
+                    mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
+                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                    _take_turn(turns, c, slot_base + j, PINGPONG)
+                    s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
+                    if FP8:
+                        pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
+                                           is_async=True)
+                        k_scale = k_scale_next
+                        v_scale = v_scale_prev
+                        k_scale_next = _tile_scale(k_scales, j + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
+                        v_scale_prev = _tile_scale(v_scales, j, BLOCK_N, scale_block, scale_blocks_k - 1)
+                    else:
+                        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+                    _pass_turn(turns, c, PINGPONG)
+                    s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
+                    mbarrier.arrive(k_empty.index(stage), count=1)
+                    if masked == 1:
+                        s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+                    if FP8:
+                        tile_rows = row_scale * k_scale
+                        p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                                         RESCALE_THRESHOLD, P_LOG2)
+                        pv = warpgroup_mma_wait(0, deps=[pv])
+                        mbarrier.arrive(v_empty.index(prev), count=1)
+                        o = o + pv * v_scale
+                    else:
+                        p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                                         RESCALE_THRESHOLD, P_LOG2)
+                        o, p = warpgroup_mma_wait(0, deps=[o, p])
+                        mbarrier.arrive(v_empty.index(prev), count=1)
+                    if rescale:
+                        o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+                    if FP8:
+                        p_smem.store(p_next.to(dtype))
+                        fence_async_shared()
+                    else:
+                        p = gl.convert_layout(p_next.to(dtype), p_layout)
+            if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
+                mbarrier.arrive(q_empty.index(c), count=1)
+            # slot n_own: the last tile's P·V
+            last = (it + n_own - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
+            _take_turn(turns, c, slot_base + n_own, PINGPONG)
+            if FP8:
+                pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
+                _pass_turn(turns, c, PINGPONG)
+                pv = warpgroup_mma_wait(0, deps=[pv])
+                o = o + pv * v_scale_prev
+            else:
+                o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+                _pass_turn(turns, c, PINGPONG)
+                o = warpgroup_mma_wait(0, deps=[o, p])[0]
+            mbarrier.arrive(v_empty.index(last), count=1)
+        elif SEPARATE_O:
+            mbarrier.arrive(q_empty.index(c), count=1)
+        # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
+        # hand over n_all + 1 times (a slot per tile, one for the last P·V; one idle slot when no row sees a key):
+        # the one with fewer tiles of its own hands over idly, releasing tile k - 1 before idle slot k, so that the
+        # other never waits on a tile it holds
+        if PINGPONG:
+            for slot in range(gl.where(n_own > 0, n_own + 1, 0), n_all + 1):
+                if slot > n_own:
+                    _release(k_ready, k_empty, v_ready, v_empty, it + slot - 1)
+                _take_turn(turns, c, slot_base + slot, PINGPONG)
+                _pass_turn(turns, c, PINGPONG)
         else:
-            o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-            _pass_turn(turns, c, PINGPONG)
-            o = warpgroup_mma_wait(0, deps=[o, p])[0]
-        mbarrier.arrive(v_empty.index(last), count=1)
-    # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
-    # hand over n_all + 1 times (a slot per tile, one for the last P·V): the one with fewer tiles of its own
-    # hands over idly, releasing tile k - 1 before idle slot k, so that the other never waits on a tile it holds
-    if PINGPONG:
-        slots_own = gl.where(n_own > 0, n_own + 1, 0)
-        for slot in range(slots_own, gl.where(n_all > 0, n_all + 1, 0)):
-            if slot > n_own:
-                _release(k_ready, k_empty, v_ready, v_empty, slot - 1)
-            _take_turn(turns, c, slot, PINGPONG)
-            _pass_turn(turns, c, PINGPONG)
-    else:
-        for j in range(n_own, n_all):
-            _release(k_ready, k_empty, v_ready, v_empty, j)
+            for j in range(n_own, n_all):
+                _release(k_ready, k_empty, v_ready, v_empty, it + j)
 
-    if active:
-        # O / l and LSE in natural log; rows that saw no key give 0 and -inf
-        seen = l_i > 0.0
-        inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-        o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_LOG2) * _LN2, float("-inf"))
-        lse_row = (batch * n_heads + head).to(gl.int64) * n_q
-        gl.store(LSE + lse_row + rows, lse, mask=rows < n_q)
-        # Q's buffer is free once the last S wgmma finished: stage O there for the TMA store (rows >= n_q clipped);
-        # fp8: O (16-bit) has a buffer of its own
-        staged = o_smem.index(c) if FP8 else q
-        staged.store(o.to(o_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0],
-                                        staged.reshape([1, BLOCK_M, 1, HEAD_DIM]))
-        tma.store_wait(0)
+        if active:
+            # O / l and LSE in natural log; rows that saw no key give 0 and -inf
+            seen = l_i > 0.0
+            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+            o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
+            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_LOG2) * _LN2, float("-inf"))
+            lse_row = (batch * n_heads + head).to(gl.int64) * n_q
+            gl.store(LSE + lse_row + rows, lse, mask=rows < n_q)
+            tma.store_wait(0)  # the previous work tile's O store has read the buffer
+            staged.store(o.to(o_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0],
+                                            staged.reshape([1, BLOCK_M, 1, HEAD_DIM]))
+        if not SEPARATE_O:
+            tma.store_wait(0)  # O was staged in Q's buffer: free it once the store has read it
+            mbarrier.arrive(q_empty.index(c), count=1)
+        it += n_all
+        t_local += 1
+    tma.store_wait(0)
 
 
 # lengths and head counts stay runtime values: one build per (dtype, head dim, causal), whatever the shape
-@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "scale_block", "scale_blocks_q", "scale_blocks_k"])
-def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, qk_scale_log2,
-                     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "batch_heads", "n_m_blocks", "scale_block",
+                              "scale_blocks_q", "scale_blocks_k"])
+def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, batch_heads, n_m_blocks,
+                     qk_scale_log2, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None, scale_block=1,
-                     scale_blocks_q=1, scale_blocks_k=1):
-    """Grid: (B * Hq, cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D].
-    LSE: float32 (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0).
-    FP8 (e4m3 q, k, v descriptors; o 16-bit): v's descriptor is over V transposed (B, Hkv, D, keys) with boxes
-    [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k), float32
-    contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
+                     PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
+                     scale_block=1, scale_blocks_q=1, scale_blocks_k=1):
+    """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
+    cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
+    (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). SEPARATE_O: O is staged in a buffer
+    of its own (else in Q's).
+    FP8 (e4m3 q, k, v descriptors; o 16-bit; SEPARATE_O): v's descriptor is over V transposed (B, Hkv, D, keys)
+    with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k),
+    float32 contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    gl.static_assert(SEPARATE_O or not FP8, "the fp8 forward stages its 16-bit O in a buffer of its own")
     tile_layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
     tile_layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
 
-    bh = gl.program_id(0)
-    batch = bh // n_heads
-    head = bh % n_heads
-    m_start = (gl.num_programs(1) - 1 - gl.program_id(1)) * (CONSUMERS * BLOCK_M)  # longest first
-
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_q)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
+    if SEPARATE_O:
+        tile_layout_o: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], o_desc.dtype)
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_o)
+    else:
+        o_smem = q_smem
     if FP8:
         tile_layout_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], tile_layout_vt)
-        tile_layout_o: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], o_desc.dtype)
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS, BLOCK_M, HEAD_DIM], tile_layout_o)
         tile_layout_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
         p_buffers = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout_p)
-        kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
-        scales = (Q_scale + (batch * n_heads + head).to(gl.int64) * scale_blocks_q, K_scale + kv_row,
-                  V_scale + kv_row, scale_block, scale_blocks_k - 1)
+        scales = (Q_scale, K_scale, V_scale, scale_block, scale_blocks_q, scale_blocks_k)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
-        o_smem = q_smem  # O is staged in Q's buffer
         p_buffers = q_smem  # P stays in registers
-        scales = (LSE, LSE, LSE, scale_block, scale_blocks_k - 1)
+        scales = (LSE, LSE, LSE, scale_block, scale_blocks_q, scale_blocks_k)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -372,20 +419,21 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_empty.index(c), count=1)
         mbarrier.init(turns.index(c), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    bars = (q_ready, k_ready, k_empty, v_ready, v_empty, turns)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
 
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
     gl.warp_specialize([
-        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
-                     m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
-        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, batch, head, n_heads,
-                     m_start, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, head, head // group, m_start,
+        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                     n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                     n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                      n_q, n_k, CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

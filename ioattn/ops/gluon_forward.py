@@ -9,6 +9,7 @@ log. `ioattn.ops.dispatch` picks it for `flash_attn_func` / `sdpa` on sm_90 wher
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -32,6 +33,7 @@ class GluonConfig:
     # 2026-12-05 H100 run measured faster on 15 of 19 rows, within 1% on the rest (the skip costs a cross-warp max)
     rescale_threshold: float = 0.0
     pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
+    persistent: bool = True  # one program per SM walks the work tiles (else one program per work tile)
 
 
 # Shared memory per program: 2 Q tiles + stages x (K + V) tiles, under the 227 KB an sm_90 block may take.
@@ -47,6 +49,29 @@ _FP8_CONFIGS = {
     128: GluonConfig(block_n=128, stages=3),  # 16 KB Q + 3 x 32 KB + 32 KB O
     256: GluonConfig(block_n=64, stages=3),  # 32 KB Q + 3 x 32 KB + 64 KB O
 }
+
+
+SHARED_BYTES = 227 * 1024  # what one sm_90 program may take
+BARRIER_BYTES = 1024  # the mbarriers and the allocator's alignment, with room to spare
+
+
+def separate_o(head_dim: int, cfg: GluonConfig, element_bytes: int = 2, fp8: bool = False) -> bool:
+    """Whether O gets a staging buffer of its own beside Q, the K/V ring (and fp8's P buffers), so that the next
+    work tile's Q loads while O is stored; the fp8 forward always has one (its O is 16-bit, its Q is not)."""
+    if fp8:
+        return True
+    tiles = 2 * 2 * BLOCK_M * head_dim + cfg.stages * 2 * cfg.block_n * head_dim  # Q, O, the ring
+    return tiles * element_bytes + BARRIER_BYTES <= SHARED_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(cfg: GluonConfig, device: torch.device, work_tiles: int) -> tuple[int]:
+    """Persistent: one program per SM (168 registers x 384 threads fill one), else one per work tile."""
+    return (min(work_tiles, _sm_count(device.index)) if cfg.persistent else work_tiles,)
 
 
 def gluon_config(head_dim: int) -> GluonConfig:
@@ -177,12 +202,12 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     if cfg.rescale_threshold > 0:  # P x 2**8 below 2**threshold x 2**8 must stay under e4m3's 448
         raise ValueError(f"config.rescale_threshold must be 0 for the fp8 forward, got {cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
-    grid = (batch * hq, triton.cdiv(n_q, CONSUMERS.value * BLOCK_M))
-    gluon_fwd_kernel[grid](
+    m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
+    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
-        _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, softmax_scale * LOG2E,
+        _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, softmax_scale * LOG2E,
         CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
-        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -220,12 +245,12 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
 
     cfg = gluon_config(d) if config is None else config
-    grid = (batch * hq, triton.cdiv(n_q, CONSUMERS.value * BLOCK_M))
-    gluon_fwd_kernel[grid](
+    m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
+    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
-        lse, n_q, n_k, hq, hq // hkv, scale * LOG2E,
+        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, scale * LOG2E,
         CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return out, lse
