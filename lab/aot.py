@@ -131,9 +131,10 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
 
-def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None):
+def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None, window=False):
     """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
-    dim unless stages / block_n are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales."""
+    dim unless stages / block_n are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales;
+    window: a sliding window bounded on both sides."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
@@ -152,8 +153,8 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
                  o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
     cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages)
-    constexprs = dict(CAUSAL=causal, BLOCK_N=block_n, STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
-                      PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+    constexprs = dict(LEFT=window, RIGHT=causal or window, BLOCK_N=block_n, STAGES=stages,
+                      RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       SEPARATE_O=separate_o(head_dim, cfg, 2, fp8))
     if fp8:
         from triton.experimental.gluon import language as gl

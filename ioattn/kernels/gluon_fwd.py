@@ -28,9 +28,10 @@ RESCALE_THRESHOLD (log2 units); otherwise P = exp2(S - stale max) stays below 2*
 result is exact because the final O / l and LSE use the same stale max.
 
 Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
-sequence's end read as zero and are clipped on store, per batch. Causal is aligned bottom-right (query i sees
-keys <= i + Nk - Nq). Rows that see no key get O = 0 and LSE = -inf. Scores are masked only on K/V tiles that
-cross the causal diagonal or the end of K. Work tiles run longest-first: the last query tiles, which see the
+sequence's end read as zero and are clipped on store, per batch. Causal masks and sliding windows are aligned
+bottom-right (query i sees keys i + Nk - Nq - window_left ..= i + Nk - Nq + window_right; causal is window_right
+0): a work tile loads only the K/V tiles its rows may see. Rows that see no key get O = 0 and LSE = -inf. Scores
+are masked only on K/V tiles that cross a window edge or the end of K. Work tiles run longest-first: the last query tiles, which see the
 most keys under causal, come first, every (batch, head) of one query block before the next.
 """
 
@@ -52,13 +53,17 @@ CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program, each with its ow
 
 
 @gluon.jit
-def _blocks_needed(rows_end, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """K/V tiles that query rows [.., rows_end) may see."""
-    if CAUSAL:
-        keys = gl.minimum(n_k, gl.maximum(rows_end + n_k - n_q, 0))
-    else:
-        keys = n_k
-    return gl.cdiv(keys, BLOCK_N)
+def _key_blocks(rows_start, rows_end, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, window_left,
+                window_right, BLOCK_N: gl.constexpr):
+    """The K/V tiles [first, end) that query rows [rows_start, rows_end) may see: row i sees keys
+    i + Nk - Nq - window_left ..= i + Nk - Nq + window_right (a side without its flag is unbounded)."""
+    first = 0
+    if LEFT:
+        first = gl.maximum(rows_start + n_k - n_q - window_left, 0) // BLOCK_N
+    keys = n_k
+    if RIGHT:
+        keys = gl.minimum(n_k, gl.maximum(rows_end + n_k - n_q + window_right, 0))
+    return first, gl.cdiv(keys, BLOCK_N)
 
 
 @gluon.jit
@@ -70,7 +75,7 @@ def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks, n_q,
-              n_k, CAUSAL: gl.constexpr):
+              n_k, window_left, window_right, LEFT: gl.constexpr, RIGHT: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -89,9 +94,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, m_start + c * BLOCK_M, head, 0], q_ready.index(c),
                                             q_smem.index(c).reshape(box_q))
-        # the last consumer's rows see the most keys; the first skips the tiles past its own
-        n_blocks = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
-        for j in range(n_blocks):
+        # the tiles either consumer's rows see: the first consumer's start, the last one's end
+        first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left,
+                                 window_right, BLOCK_N)
+        for j in range(first, end):
             stage = it % STAGES
             phase = (it // STAGES) & 1
             # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
@@ -112,11 +118,14 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
 
 
 @gluon.jit
-def _mask_scores(s, j, rows, n_q, n_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+def _mask_scores(s, j, rows, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, window_left, window_right,
+                 BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     keys = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     visible = keys[None, :] < n_k
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None] + (n_k - n_q))
+    if RIGHT:
+        visible = visible & (keys[None, :] <= rows[:, None] + (n_k - n_q + window_right))
+    if LEFT:
+        visible = visible & (keys[None, :] >= rows[:, None] + (n_k - n_q - window_left))
     return gl.where(visible, s, float("-inf"))
 
 
@@ -184,8 +193,9 @@ def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block, last_block):
 
 @gluon.jit
 def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
-              batch_heads, n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL: gl.constexpr,
-              RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr):
+              batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
+              LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr,
+              SEPARATE_O: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -223,12 +233,22 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
         row_start = m_start + c * BLOCK_M
         active = row_start < n_q  # the last query block's second Q tile may lie wholly past the end of Q
         rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
-        n_all = _blocks_needed(m_start + CONSUMERS * BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N)
-        n_own = gl.where(active, _blocks_needed(row_start + BLOCK_M, n_q, n_k, CAUSAL, BLOCK_N), 0)
-        # tiles before n_plain need no score mask: inside K's length and, under causal, left of every row's diagonal
-        n_plain = n_k // BLOCK_N
-        if CAUSAL:
-            n_plain = gl.minimum(n_plain, gl.maximum(row_start + n_k - n_q + 1, 0) // BLOCK_N)
+        # the producer's tiles first .. end, counted from 0 here: n_all of them. This consumer's rows see tiles
+        # 0 .. n_own (those before its own first one come masked: under a left window the second consumer's
+        # rows start further on, by a tile at most); plain_start .. plain_end need no score mask
+        first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left,
+                                 window_right, BLOCK_N)
+        n_all = gl.maximum(end - first, 0)
+        own_end = _key_blocks(row_start, row_start + BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left, window_right,
+                              BLOCK_N)[1]
+        n_own = gl.where(active, gl.minimum(gl.maximum(own_end - first, 0), n_all), 0)
+        plain_start = 0
+        if LEFT:  # tiles wholly right of every row's left edge
+            plain_start = gl.cdiv(gl.maximum(row_start + BLOCK_M - 1 + n_k - n_q - window_left, 0), BLOCK_N) - first
+        plain_end = n_k // BLOCK_N - first
+        if RIGHT:  # tiles wholly left of every row's right edge
+            plain_end = gl.minimum(plain_end, gl.maximum(row_start + n_k - n_q + window_right + 1, 0) // BLOCK_N
+                                   - first)
 
         m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
@@ -240,7 +260,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
             row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
             # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
-            k_scale_next = _tile_scale(k_scales, 0, BLOCK_N, scale_block, scale_blocks_k - 1)
+            k_scale_next = _tile_scale(k_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
 
         slot_base = it + t_local  # ping-pong turns taken before this work tile
         mbarrier.wait(q_ready.index(c), t_local & 1)
@@ -252,12 +272,13 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             _pass_turn(turns, c, PINGPONG)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(it % STAGES), count=1)
-            if n_plain == 0:
-                s = _mask_scores(s, 0, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+            if (plain_start > 0) | (plain_end <= 0):
+                s = _mask_scores(s, first, rows, n_q, n_k, LEFT, RIGHT, window_left, window_right, BLOCK_N,
+                                 s_layout)
             if FP8:
                 tile_rows = row_scale * k_scale_next
-                k_scale_next = _tile_scale(k_scales, 1, BLOCK_N, scale_block, scale_blocks_k - 1)
-                v_scale_prev = _tile_scale(v_scales, 0, BLOCK_N, scale_block, scale_blocks_k - 1)
+                k_scale_next = _tile_scale(k_scales, first + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
+                v_scale_prev = _tile_scale(v_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                             RESCALE_THRESHOLD, P_LOG2)
             else:
@@ -268,14 +289,22 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                 fence_async_shared()
             else:
                 p = gl.convert_layout(p.to(dtype), p_layout)
-            # two copies of the loop: the tiles no score mask touches, then those that cross the diagonal or the
-            # end of K (the unmasked copy is a third shorter, and neither spills: the persistent loop's state does)
-            for masked in gl.static_range(2):
-                if masked == 0:
+            # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
+            # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
+            # copy spills (the persistent loop's state does, once per work tile)
+            unmasked_start = gl.minimum(gl.maximum(plain_start, 1), n_own)
+            unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
+            for part in gl.static_range(3):
+                if part == 0:
                     j_start = 1
-                    j_end = gl.minimum(n_plain, n_own)
+                    j_end = 1
+                    if LEFT:
+                        j_end = unmasked_start
+                elif part == 1:
+                    j_start = unmasked_start
+                    j_end = unmasked_end
                 else:
-                    j_start = gl.maximum(n_plain, 1)
+                    j_start = unmasked_end
                     j_end = n_own
                 for j in range(j_start, j_end):
                     stage = (it + j) % STAGES
@@ -289,15 +318,17 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                                            is_async=True)
                         k_scale = k_scale_next
                         v_scale = v_scale_prev
-                        k_scale_next = _tile_scale(k_scales, j + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
-                        v_scale_prev = _tile_scale(v_scales, j, BLOCK_N, scale_block, scale_blocks_k - 1)
+                        k_scale_next = _tile_scale(k_scales, first + j + 1, BLOCK_N, scale_block,
+                                                   scale_blocks_k - 1)
+                        v_scale_prev = _tile_scale(v_scales, first + j, BLOCK_N, scale_block, scale_blocks_k - 1)
                     else:
                         o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
                     _pass_turn(turns, c, PINGPONG)
                     s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
                     mbarrier.arrive(k_empty.index(stage), count=1)
-                    if masked == 1:
-                        s = _mask_scores(s, j, rows, n_q, n_k, CAUSAL, BLOCK_N, s_layout)
+                    if part != 1:
+                        s = _mask_scores(s, first + j, rows, n_q, n_k, LEFT, RIGHT, window_left, window_right,
+                                         BLOCK_N, s_layout)
                     if FP8:
                         tile_rows = row_scale * k_scale
                         p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
@@ -370,18 +401,20 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     tma.store_wait(0)
 
 
-# lengths and head counts stay runtime values: one build per (dtype, head dim, causal), whatever the shape
-@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "batch_heads", "n_m_blocks", "scale_block",
-                              "scale_blocks_q", "scale_blocks_k"])
+# lengths, head counts and window sizes stay runtime values: one build per (dtype, head dim, window sides)
+@gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "batch_heads", "n_m_blocks", "window_left",
+                              "window_right", "scale_block", "scale_blocks_q", "scale_blocks_k"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, batch_heads, n_m_blocks,
-                     qk_scale_log2, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     window_left, window_right, qk_scale_log2, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
                      scale_block=1, scale_blocks_q=1, scale_blocks_k=1):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
-    (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). SEPARATE_O: O is staged in a buffer
-    of its own (else in Q's).
+    (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
+    are bounded (causal: RIGHT with window_right = 0), by window_left / window_right >= 0 keys, aligned
+    bottom-right. SEPARATE_O: O is staged in a buffer of its own (else in Q's).
     FP8 (e4m3 q, k, v descriptors; o 16-bit; SEPARATE_O): v's descriptor is over V transposed (B, Hkv, D, keys)
     with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k),
     float32 contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
@@ -431,9 +464,11 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
     gl.warp_specialize([
         (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, LEFT, RIGHT,
+                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
         (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, qk_scale_log2, scales, CAUSAL, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, LEFT, RIGHT,
+                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
-                     n_q, n_k, CAUSAL)),
+                     n_q, n_k, window_left, window_right, LEFT, RIGHT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -47,8 +47,8 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
     if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: dense, unmasked, 16-bit, sm_90
         from ioattn.ops.gluon_forward import gluon_forward
 
-        gluon_forward(inputs.q, inputs.k, inputs.v, causal=inputs.window_right == 0, softmax_scale=inputs.softmax_scale,
-                      out=out, lse=lse, config=plan.config)
+        gluon_forward(inputs.q, inputs.k, inputs.v, window_size=(inputs.window_left, inputs.window_right),
+                      softmax_scale=inputs.softmax_scale, out=out, lse=lse, config=plan.config)
         return
     if plan.upcast:
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)

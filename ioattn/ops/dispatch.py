@@ -134,11 +134,9 @@ def gluon_unsupported(inputs: AttentionInputs, capability: tuple[int, int] | Non
         return "it takes no attn_mask"
     if inputs.k_descale is not None or inputs.v_descale is not None:
         return "it takes no fp8 descales"
-    causal = inputs.window_left < 0 and inputs.window_right == 0
-    if not causal and (inputs.window_left >= 0 or inputs.window_right >= 0):
-        return "it takes no sliding window (causal or none)"
-    if causal and not inputs.bottom_right and inputs.q.shape[1] != inputs.k.shape[1]:
-        return "its causal mask is aligned bottom-right, this call's top-left with Nq != Nk"
+    bounded = inputs.window_left >= 0 or inputs.window_right >= 0
+    if bounded and not inputs.bottom_right and inputs.q.shape[1] != inputs.k.shape[1]:
+        return "its causal mask and windows are aligned bottom-right, this call's top-left with Nq != Nk"
     if not inputs.softmax_scale > 0.0:
         return f"it takes a positive softmax_scale only, got {inputs.softmax_scale}"
     return gluon_forward.tensors_unsupported(inputs.q, inputs.k, inputs.v)
@@ -188,13 +186,17 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
             raise ValueError(f"backend='gluon' cannot take this call: {unsupported}")
         if backend == "gluon" and config is not None:
             raise ValueError(f"config is a Triton forward configuration ({config}); backend='gluon' takes none")
-        faster = None if unsupported else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1], inputs.k.shape[1])
+        windowed = inputs.window_left >= 0 or inputs.window_right > 0
+        faster = None if unsupported or windowed else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1],
+                                                                                 inputs.k.shape[1])
         if backend == "gluon" or (faster and config is None):
-            problem = FwdProblem(inputs.softmax_scale, -1, 0 if causal else -1, True, "ieee", False)
+            problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, True, "ieee", False)
             return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1]), problem, (),
                         f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
                         bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
-        why += f"; not the Gluon forward: {unsupported or 'not measured faster for this shape (GLUON_FASTER)'}"
+        why += ("; not the Gluon forward: " + (unsupported or ("sliding windows not measured on it (GLUON_FASTER)"
+                                                               if windowed else
+                                                               "not measured faster for this shape (GLUON_FASTER)")))
     if config is None:
         config, source = tuned_config(q.shape[-1], q.dtype, causal, capability, inputs.max_seqlen_q)
         if capability is not None:

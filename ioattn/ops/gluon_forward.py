@@ -156,6 +156,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
                              f"{t.data_ptr():#x} and strides {t.stride()} ({size}-byte elements)")
 
 
+def _window(window_size, causal: bool) -> tuple[int, int]:
+    """(left, right) from flash-attn's window_size and causal flag; -1 is unbounded."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and -1 <= w < 2**31 for w in window_size)):
+        raise ValueError(f"window_size must be two ints >= -1 (left, right; -1 unbounded), got {window_size!r}")
+    left, right = window_size
+    return left, 0 if causal else right
+
+
 def _strides(t: torch.Tensor) -> list[int]:
     """t's strides with those of size-1 dims (never stepped over, but TMA checks them) set to the span of the
     dims inside them."""
@@ -205,8 +214,8 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
-        _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, softmax_scale * LOG2E,
-        CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
+        _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
+        LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
@@ -214,16 +223,19 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
 
 
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                  softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                  lse: torch.Tensor | None = None, config: GluonConfig | None = None):
+                  window_size: tuple[int, int] = (-1, -1), softmax_scale: float | None = None,
+                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None, config: GluonConfig | None = None):
     """Exact attention forward on sm_90 through the warp-specialized Gluon kernel. q: (B, Nq, Hq, D); k, v:
-    (B, Nk, Hkv, D) with Hq a multiple of Hkv; fp16 or bf16; D in HEAD_DIMS; causal aligned bottom-right
-    (flash-attn). Returns (out, lse): out like q (written into `out` when given), lse float32 (B, Hq, Nq),
-    natural log (written into `lse` when given: contiguous); rows that see no key give 0 and -inf. `config` overrides the head dim's `gluon_config` (the
-    lab's variants). Raises ValueError naming the argument for inputs the kernel does not take."""
+    (B, Nk, Hkv, D) with Hq a multiple of Hkv; fp16 or bf16; D in HEAD_DIMS; causal and the sliding window
+    (left, right) aligned bottom-right as flash-attn's (-1: unbounded; causal sets right to 0). Returns
+    (out, lse): out like q (written into `out` when given), lse float32 (B, Hq, Nq), natural log (written into
+    `lse` when given: contiguous); rows that see no key give 0 and -inf. `config` overrides the head dim's
+    `gluon_config` (the lab's variants). Raises ValueError naming the argument for inputs the kernel does not
+    take."""
     _check(q, k, v, out)
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
+    window_left, window_right = _window(window_size, causal)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
@@ -248,8 +260,8 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
-        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, scale * LOG2E,
-        CAUSAL=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
+        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0), scale * LOG2E,
+        LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
         SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
