@@ -131,10 +131,11 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
     return compile_sm90(kernel, types, constexprs, aligned, num_warps=warps, num_stages=stages, **extra)
 
 
-def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None, window=False):
+def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None, window=False,
+                         varlen=False):
     """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
     dim unless stages / block_n are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales;
-    window: a sliding window bounded on both sides."""
+    window: a sliding window bounded on both sides; varlen: packed sequences (cu_seqlens)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
@@ -155,7 +156,11 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages)
     constexprs = dict(LEFT=window, RIGHT=causal or window, BLOCK_N=block_n, STAGES=stages,
                       RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-                      SEPARATE_O=separate_o(head_dim, cfg, 2, fp8))
+                      SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen)
+    if varlen:
+        types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
+    else:
+        constexprs.update(Cu_seqlens_q=None, Cu_seqlens_k=None, O=None)
     if fp8:
         from triton.experimental.gluon import language as gl
 

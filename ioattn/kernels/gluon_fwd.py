@@ -28,11 +28,15 @@ RESCALE_THRESHOLD (log2 units); otherwise P = exp2(S - stale max) stays below 2*
 result is exact because the final O / l and LSE use the same stale max.
 
 Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
-sequence's end read as zero and are clipped on store, per batch. Causal masks and sliding windows are aligned
-bottom-right (query i sees keys i + Nk - Nq - window_left ..= i + Nk - Nq + window_right; causal is window_right
-0): a work tile loads only the K/V tiles its rows may see. Rows that see no key get O = 0 and LSE = -inf. Scores
-are masked only on K/V tiles that cross a window edge or the end of K. Work tiles run longest-first: the last query tiles, which see the
-most keys under causal, come first, every (batch, head) of one query block before the next.
+sequence's end read as zero and are clipped on store, per batch. Varlen: packed (total, H, D) tensors seen as
+(1, total, H, D), each sequence's rows offset by cu_seqlens; rows past a sequence's end read the next one's
+(keys are masked by the sequence's length, query rows are not stored), and a sequence's last query tile stores
+O from registers with a row mask instead of a TMA box that would write into the next sequence. Causal masks and
+sliding windows are aligned bottom-right (query i sees keys i + Nk - Nq - window_left ..= i + Nk - Nq +
+window_right; causal is window_right 0): a work tile loads only the K/V tiles its rows may see. Rows that see no
+key get O = 0 and LSE = -inf. Scores are masked only on K/V tiles that cross a window edge or the end of K. Work
+tiles run longest-first: the last query tiles, which see the most keys under causal, come first, every (batch,
+head) of one query block before the next.
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks, n_q,
-              n_k, window_left, window_right, LEFT: gl.constexpr, RIGHT: gl.constexpr):
+              n_k, window_left, window_right, seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              VARLEN: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -87,34 +92,37 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
     t_local = 0  # work tiles of this program so far: the Q barriers' phase
     for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
         batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M)
-        kv_head = head // group
-        for c in gl.static_range(CONSUMERS):
-            # a box wholly past the end of Q loads zeros: every work tile loads, waits and frees both Q tiles
-            mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, m_start + c * BLOCK_M, head, 0], q_ready.index(c),
-                                            q_smem.index(c).reshape(box_q))
-        # the tiles either consumer's rows see: the first consumer's start, the last one's end
-        first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left,
-                                 window_right, BLOCK_N)
-        for j in range(first, end):
-            stage = it % STAGES
-            phase = (it // STAGES) & 1
-            # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
-            mbarrier.wait(k_empty.index(stage), phase ^ 1)
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, j * BLOCK_N, kv_head, 0], k_ready.index(stage),
-                                            k_smem.index(stage).reshape(box_kv))
-            mbarrier.wait(v_empty.index(stage), phase ^ 1)
-            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            if FP8:  # V transposed (B, Hkv, D, keys): box [1, 1, D, BLOCK_N]
-                tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(stage),
-                                                v_smem.index(stage).reshape([1, 1, v_smem.shape[1], BLOCK_N]))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [batch, j * BLOCK_N, kv_head, 0], v_ready.index(stage),
-                                                v_smem.index(stage).reshape(box_kv))
-            it += 1
-        t_local += 1
+        seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
+        if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
+            kv_head = head // group
+            for c in gl.static_range(CONSUMERS):
+                # a box wholly past the end of Q loads zeros (varlen: the next sequence's rows, never stored): every
+                # work tile loads, waits and frees both Q tiles
+                mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [seq_batch, q_start + m_start + c * BLOCK_M, head, 0],
+                                                q_ready.index(c), q_smem.index(c).reshape(box_q))
+            # the tiles either consumer's rows see: the first consumer's start, the last one's end
+            first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, len_q, len_k, LEFT, RIGHT,
+                                     window_left, window_right, BLOCK_N)
+            for j in range(first, end):
+                stage = it % STAGES
+                phase = (it // STAGES) & 1
+                # a fresh mbarrier counts as having completed the phase before 0: the first lap does not wait
+                mbarrier.wait(k_empty.index(stage), phase ^ 1)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [seq_batch, k_start + j * BLOCK_N, kv_head, 0],
+                                                k_ready.index(stage), k_smem.index(stage).reshape(box_kv))
+                mbarrier.wait(v_empty.index(stage), phase ^ 1)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                if FP8:  # V transposed (B, Hkv, D, keys): box [1, 1, D, BLOCK_N]
+                    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(stage),
+                                                    v_smem.index(stage).reshape([1, 1, v_smem.shape[1], BLOCK_N]))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [seq_batch, k_start + j * BLOCK_N, kv_head, 0],
+                                                    v_ready.index(stage), v_smem.index(stage).reshape(box_kv))
+                it += 1
+            t_local += 1
 
 
 @gluon.jit
@@ -192,10 +200,39 @@ def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block, last_block):
 
 
 @gluon.jit
+def _sequence(batch, n_q, n_k, seqs, VARLEN: gl.constexpr):
+    """(TMA batch coordinate, first Q row, first K row, Nq, Nk) of batch entry `batch`: varlen reads them from
+    cu_seqlens (seqs[0], seqs[1]) over packed (1, total, H, D) tensors."""
+    if VARLEN:
+        q_start = gl.load(seqs[0] + batch)
+        k_start = gl.load(seqs[1] + batch)
+        return 0, q_start, k_start, gl.load(seqs[0] + batch + 1) - q_start, gl.load(seqs[1] + batch + 1) - k_start
+    return batch, 0, 0, n_q, n_k
+
+
+@gluon.jit
+def _store_tma(o, o_desc, staged, coords):
+    """O through shared memory and one TMA store (rows past the tensor's end are clipped)."""
+    staged.store(o.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, coords, staged.reshape(o_desc.block_type.shape))
+
+
+@gluon.jit
+def _store_rows(o, seqs, first_row, rows_left, head, o_layout: gl.constexpr):
+    """O's first `rows_left` rows stored from registers (varlen, a sequence's last query tile): seqs[2] is O's
+    base, seqs[3] / seqs[4] its row and head strides."""
+    rows = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
+    offsets = ((first_row + rows).to(gl.int64) * seqs[3] + head * seqs[4])[:, None] + cols[None, :]
+    gl.store(seqs[2] + offsets, o.to(seqs[2].dtype.element_ty), mask=(rows < rows_left)[:, None])
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
               batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
-              LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr,
-              SEPARATE_O: gl.constexpr):
+              seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+              PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -230,186 +267,197 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     t_local = 0  # work tiles of this program so far; each took it + 1 ping-pong turns
     for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
         batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M)
-        row_start = m_start + c * BLOCK_M
-        active = row_start < n_q  # the last query block's second Q tile may lie wholly past the end of Q
-        rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
-        # the producer's tiles first .. end, counted from 0 here: n_all of them. This consumer's rows see tiles
-        # 0 .. n_own (those before its own first one come masked: under a left window the second consumer's
-        # rows start further on, by a tile at most); plain_start .. plain_end need no score mask
-        first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left,
-                                 window_right, BLOCK_N)
-        n_all = gl.maximum(end - first, 0)
-        own_end = _key_blocks(row_start, row_start + BLOCK_M, n_q, n_k, LEFT, RIGHT, window_left, window_right,
-                              BLOCK_N)[1]
-        n_own = gl.where(active, gl.minimum(gl.maximum(own_end - first, 0), n_all), 0)
-        plain_start = 0
-        if LEFT:  # tiles wholly right of every row's left edge
-            plain_start = gl.cdiv(gl.maximum(row_start + BLOCK_M - 1 + n_k - n_q - window_left, 0), BLOCK_N) - first
-        plain_end = n_k // BLOCK_N - first
-        if RIGHT:  # tiles wholly left of every row's right edge
-            plain_end = gl.minimum(plain_end, gl.maximum(row_start + n_k - n_q + window_right + 1, 0) // BLOCK_N
-                                   - first)
+        seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
+        if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
+            row_start = m_start + c * BLOCK_M
+            active = row_start < len_q  # the last query block's second Q tile may lie wholly past the end of Q
+            rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
+            # the producer's tiles first .. end, counted from 0 here: n_all of them. This consumer's rows see tiles
+            # 0 .. n_own (those before its own first one come masked: under a left window the second consumer's
+            # rows start further on, by a tile at most); plain_start .. plain_end need no score mask
+            first, end = _key_blocks(m_start, m_start + CONSUMERS * BLOCK_M, len_q, len_k, LEFT, RIGHT, window_left,
+                                     window_right, BLOCK_N)
+            n_all = gl.maximum(end - first, 0)
+            own_end = _key_blocks(row_start, row_start + BLOCK_M, len_q, len_k, LEFT, RIGHT, window_left, window_right,
+                                  BLOCK_N)[1]
+            n_own = gl.where(active, gl.minimum(gl.maximum(own_end - first, 0), n_all), 0)
+            plain_start = 0
+            if LEFT:  # tiles wholly right of every row's left edge
+                plain_start = gl.cdiv(gl.maximum(row_start + BLOCK_M - 1 + len_k - len_q - window_left, 0),
+                                      BLOCK_N) - first
+            plain_end = len_k // BLOCK_N - first
+            if RIGHT:  # tiles wholly left of every row's right edge
+                plain_end = gl.minimum(plain_end, gl.maximum(row_start + len_k - len_q + window_right + 1, 0) // BLOCK_N
+                                       - first)
 
-        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-        l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
-        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-        if FP8:
-            kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
-            k_scales = k_scale_base + kv_row
-            v_scales = v_scale_base + kv_row
-            q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
-            row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < n_q, other=0.0)
-            # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
-            k_scale_next = _tile_scale(k_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
-
-        slot_base = it + t_local  # ping-pong turns taken before this work tile
-        mbarrier.wait(q_ready.index(c), t_local & 1)
-        if n_own > 0:
-            # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
-            mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
-            _take_turn(turns, c, slot_base, PINGPONG)
-            s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_init, use_acc=False, is_async=True)
-            _pass_turn(turns, c, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=[s])
-            mbarrier.arrive(k_empty.index(it % STAGES), count=1)
-            if (plain_start > 0) | (plain_end <= 0):
-                s = _mask_scores(s, first, rows, n_q, n_k, LEFT, RIGHT, window_left, window_right, BLOCK_N,
-                                 s_layout)
+            m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+            l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+            o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
             if FP8:
-                tile_rows = row_scale * k_scale_next
-                k_scale_next = _tile_scale(k_scales, first + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
-                v_scale_prev = _tile_scale(v_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
-                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                            RESCALE_THRESHOLD, P_LOG2)
-            else:
-                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                            RESCALE_THRESHOLD, P_LOG2)
-            if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
-                p_smem.store(p.to(dtype))
-                fence_async_shared()
-            else:
-                p = gl.convert_layout(p.to(dtype), p_layout)
-            # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
-            # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
-            # copy spills (the persistent loop's state does, once per work tile)
-            unmasked_start = gl.minimum(gl.maximum(plain_start, 1), n_own)
-            unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
-            for part in gl.static_range(3):
-                if part == 0:
-                    j_start = 1
-                    j_end = 1
-                    if LEFT:
-                        j_end = unmasked_start
-                elif part == 1:
-                    j_start = unmasked_start
-                    j_end = unmasked_end
+                kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
+                k_scales = k_scale_base + kv_row
+                v_scales = v_scale_base + kv_row
+                q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
+                row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < len_q, other=0.0)
+                # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
+                k_scale_next = _tile_scale(k_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
+
+            slot_base = it + t_local  # ping-pong turns taken before this work tile
+            mbarrier.wait(q_ready.index(c), t_local & 1)
+            if n_own > 0:
+                # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
+                mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
+                _take_turn(turns, c, slot_base, PINGPONG)
+                s = warpgroup_mma(q, k_smem.index(it % STAGES).permute((1, 0)), s_init, use_acc=False, is_async=True)
+                _pass_turn(turns, c, PINGPONG)
+                s = warpgroup_mma_wait(0, deps=[s])
+                mbarrier.arrive(k_empty.index(it % STAGES), count=1)
+                if (plain_start > 0) | (plain_end <= 0):
+                    s = _mask_scores(s, first, rows, len_q, len_k, LEFT, RIGHT, window_left, window_right, BLOCK_N,
+                                     s_layout)
+                if FP8:
+                    tile_rows = row_scale * k_scale_next
+                    k_scale_next = _tile_scale(k_scales, first + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
+                    v_scale_prev = _tile_scale(v_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
+                    p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                                RESCALE_THRESHOLD, P_LOG2)
                 else:
-                    j_start = unmasked_end
-                    j_end = n_own
-                for j in range(j_start, j_end):
-                    stage = (it + j) % STAGES
-                    prev = (it + j - 1) % STAGES
-                    mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
-                    mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-                    _take_turn(turns, c, slot_base + j, PINGPONG)
-                    s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
-                    if FP8:
-                        pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
-                                           is_async=True)
-                        k_scale = k_scale_next
-                        v_scale = v_scale_prev
-                        k_scale_next = _tile_scale(k_scales, first + j + 1, BLOCK_N, scale_block,
-                                                   scale_blocks_k - 1)
-                        v_scale_prev = _tile_scale(v_scales, first + j, BLOCK_N, scale_block, scale_blocks_k - 1)
+                    p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                                RESCALE_THRESHOLD, P_LOG2)
+                if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
+                    p_smem.store(p.to(dtype))
+                    fence_async_shared()
+                else:
+                    p = gl.convert_layout(p.to(dtype), p_layout)
+                # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
+                # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
+                # copy spills (the persistent loop's state does, once per work tile)
+                unmasked_start = gl.minimum(gl.maximum(plain_start, 1), n_own)
+                unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
+                for part in gl.static_range(3):
+                    if part == 0:
+                        j_start = 1
+                        j_end = 1
+                        if LEFT:
+                            j_end = unmasked_start
+                    elif part == 1:
+                        j_start = unmasked_start
+                        j_end = unmasked_end
                     else:
-                        o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+                        j_start = unmasked_end
+                        j_end = n_own
+                    for j in range(j_start, j_end):
+                        stage = (it + j) % STAGES
+                        prev = (it + j - 1) % STAGES
+                        mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
+                        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+                        _take_turn(turns, c, slot_base + j, PINGPONG)
+                        s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
+                        if FP8:
+                            pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
+                                               is_async=True)
+                            k_scale = k_scale_next
+                            v_scale = v_scale_prev
+                            k_scale_next = _tile_scale(k_scales, first + j + 1, BLOCK_N, scale_block,
+                                                       scale_blocks_k - 1)
+                            v_scale_prev = _tile_scale(v_scales, first + j, BLOCK_N, scale_block, scale_blocks_k - 1)
+                        else:
+                            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+                        _pass_turn(turns, c, PINGPONG)
+                        s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
+                        mbarrier.arrive(k_empty.index(stage), count=1)
+                        if part != 1:
+                            s = _mask_scores(s, first + j, rows, len_q, len_k, LEFT, RIGHT, window_left, window_right,
+                                             BLOCK_N, s_layout)
+                        if FP8:
+                            tile_rows = row_scale * k_scale
+                            p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                                             RESCALE_THRESHOLD, P_LOG2)
+                            pv = warpgroup_mma_wait(0, deps=[pv])
+                            mbarrier.arrive(v_empty.index(prev), count=1)
+                            o = o + pv * v_scale
+                        else:
+                            p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                                             RESCALE_THRESHOLD, P_LOG2)
+                            o, p = warpgroup_mma_wait(0, deps=[o, p])
+                            mbarrier.arrive(v_empty.index(prev), count=1)
+                        if rescale:
+                            o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+                        if FP8:
+                            p_smem.store(p_next.to(dtype))
+                            fence_async_shared()
+                        else:
+                            p = gl.convert_layout(p_next.to(dtype), p_layout)
+                if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
+                    mbarrier.arrive(q_empty.index(c), count=1)
+                # slot n_own: the last tile's P·V
+                last = (it + n_own - 1) % STAGES
+                mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
+                _take_turn(turns, c, slot_base + n_own, PINGPONG)
+                if FP8:
+                    pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
                     _pass_turn(turns, c, PINGPONG)
-                    s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
-                    mbarrier.arrive(k_empty.index(stage), count=1)
-                    if part != 1:
-                        s = _mask_scores(s, first + j, rows, n_q, n_k, LEFT, RIGHT, window_left, window_right,
-                                         BLOCK_N, s_layout)
-                    if FP8:
-                        tile_rows = row_scale * k_scale
-                        p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                                         RESCALE_THRESHOLD, P_LOG2)
-                        pv = warpgroup_mma_wait(0, deps=[pv])
-                        mbarrier.arrive(v_empty.index(prev), count=1)
-                        o = o + pv * v_scale
-                    else:
-                        p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                                         RESCALE_THRESHOLD, P_LOG2)
-                        o, p = warpgroup_mma_wait(0, deps=[o, p])
-                        mbarrier.arrive(v_empty.index(prev), count=1)
-                    if rescale:
-                        o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-                    if FP8:
-                        p_smem.store(p_next.to(dtype))
-                        fence_async_shared()
-                    else:
-                        p = gl.convert_layout(p_next.to(dtype), p_layout)
-            if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
+                    pv = warpgroup_mma_wait(0, deps=[pv])
+                    o = o + pv * v_scale_prev
+                else:
+                    o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+                    _pass_turn(turns, c, PINGPONG)
+                    o = warpgroup_mma_wait(0, deps=[o, p])[0]
+                mbarrier.arrive(v_empty.index(last), count=1)
+            elif SEPARATE_O:
                 mbarrier.arrive(q_empty.index(c), count=1)
-            # slot n_own: the last tile's P·V
-            last = (it + n_own - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
-            _take_turn(turns, c, slot_base + n_own, PINGPONG)
-            if FP8:
-                pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
-                _pass_turn(turns, c, PINGPONG)
-                pv = warpgroup_mma_wait(0, deps=[pv])
-                o = o + pv * v_scale_prev
+            # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
+            # hand over n_all + 1 times (a slot per tile, one for the last P·V; one idle slot when no row sees a key):
+            # the one with fewer tiles of its own hands over idly, releasing tile k - 1 before idle slot k, so that the
+            # other never waits on a tile it holds
+            if PINGPONG:
+                for slot in range(gl.where(n_own > 0, n_own + 1, 0), n_all + 1):
+                    if slot > n_own:
+                        _release(k_ready, k_empty, v_ready, v_empty, it + slot - 1)
+                    _take_turn(turns, c, slot_base + slot, PINGPONG)
+                    _pass_turn(turns, c, PINGPONG)
             else:
-                o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
-                _pass_turn(turns, c, PINGPONG)
-                o = warpgroup_mma_wait(0, deps=[o, p])[0]
-            mbarrier.arrive(v_empty.index(last), count=1)
-        elif SEPARATE_O:
-            mbarrier.arrive(q_empty.index(c), count=1)
-        # tiles [n_own, n_all) only the other consumer's rows see: released unread. Under ping-pong both consumers
-        # hand over n_all + 1 times (a slot per tile, one for the last P·V; one idle slot when no row sees a key):
-        # the one with fewer tiles of its own hands over idly, releasing tile k - 1 before idle slot k, so that the
-        # other never waits on a tile it holds
-        if PINGPONG:
-            for slot in range(gl.where(n_own > 0, n_own + 1, 0), n_all + 1):
-                if slot > n_own:
-                    _release(k_ready, k_empty, v_ready, v_empty, it + slot - 1)
-                _take_turn(turns, c, slot_base + slot, PINGPONG)
-                _pass_turn(turns, c, PINGPONG)
-        else:
-            for j in range(n_own, n_all):
-                _release(k_ready, k_empty, v_ready, v_empty, it + j)
+                for j in range(n_own, n_all):
+                    _release(k_ready, k_empty, v_ready, v_empty, it + j)
 
-        if active:
-            # O / l and LSE in natural log; rows that saw no key give 0 and -inf
-            seen = l_i > 0.0
-            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-            o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
-            lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_LOG2) * _LN2, float("-inf"))
-            lse_row = (batch * n_heads + head).to(gl.int64) * n_q
-            gl.store(LSE + lse_row + rows, lse, mask=rows < n_q)
-            tma.store_wait(0)  # the previous work tile's O store has read the buffer
-            staged.store(o.to(o_desc.dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(o_desc, [batch, row_start, head, 0],
-                                            staged.reshape([1, BLOCK_M, 1, HEAD_DIM]))
-        if not SEPARATE_O:
-            tma.store_wait(0)  # O was staged in Q's buffer: free it once the store has read it
-            mbarrier.arrive(q_empty.index(c), count=1)
-        it += n_all
-        t_local += 1
+            if active:
+                # O / l and LSE in natural log; rows that saw no key give 0 and -inf
+                seen = l_i > 0.0
+                inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+                o = o * gl.convert_layout(inv_l, o_row_layout)[:, None]
+                lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_LOG2) * _LN2, float("-inf"))
+                if VARLEN:  # LSE (Hq, total_q)
+                    lse_row = head.to(gl.int64) * seqs[5] + q_start
+                else:  # LSE (B, Hq, Nq)
+                    lse_row = (batch * n_heads + head).to(gl.int64) * len_q
+                gl.store(LSE + lse_row + rows, lse, mask=rows < len_q)
+                tma.store_wait(0)  # the previous work tile's O store has read the buffer
+                if VARLEN:
+                    if row_start + BLOCK_M > len_q:  # a TMA box would write into the next sequence's rows
+                        _store_rows(o, seqs, q_start + row_start, len_q - row_start, head, o_layout)
+                    else:
+                        _store_tma(o, o_desc, staged, [seq_batch, q_start + row_start, head, 0])
+                else:
+                    _store_tma(o, o_desc, staged, [batch, row_start, head, 0])
+            if not SEPARATE_O:
+                tma.store_wait(0)  # O was staged in Q's buffer: free it once the store has read it
+                mbarrier.arrive(q_empty.index(c), count=1)
+            it += n_all
+            t_local += 1
     tma.store_wait(0)
 
 
 # lengths, head counts and window sizes stay runtime values: one build per (dtype, head dim, window sides)
 @gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "batch_heads", "n_m_blocks", "window_left",
-                              "window_right", "scale_block", "scale_blocks_q", "scale_blocks_k"])
+                              "window_right", "scale_block", "scale_blocks_q", "scale_blocks_k", "stride_o_row",
+                              "stride_o_head", "lse_stride"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, batch_heads, n_m_blocks,
                      window_left, window_right, qk_scale_log2, LEFT: gl.constexpr, RIGHT: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
-                     scale_block=1, scale_blocks_q=1, scale_blocks_k=1):
+                     scale_block=1, scale_blocks_q=1, scale_blocks_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
+                     stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -460,15 +508,19 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
+    if VARLEN:
+        seqs = (Cu_seqlens_q, Cu_seqlens_k, O, stride_o_row, stride_o_head, lse_stride)
+    else:
+        seqs = (LSE, LSE, LSE, 0, 0, 0)  # unread
 
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
     gl.warp_specialize([
         (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, LEFT, RIGHT,
-                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN)),
         (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, LEFT, RIGHT,
-                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O)),
+                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
-                     n_q, n_k, window_left, window_right, LEFT, RIGHT)),
+                     n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -44,11 +44,17 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
         else:
             torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
-    if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: dense, unmasked, 16-bit, sm_90
-        from ioattn.ops.gluon_forward import gluon_forward
+    if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: unmasked, 16-bit, sm_90
+        from ioattn.ops.gluon_forward import gluon_forward, gluon_forward_packed
 
-        gluon_forward(inputs.q, inputs.k, inputs.v, window_size=(inputs.window_left, inputs.window_right),
-                      softmax_scale=inputs.softmax_scale, out=out, lse=lse, config=plan.config)
+        if inputs.varlen:
+            gluon_forward_packed(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
+                                 inputs.max_seqlen_q, window_left=inputs.window_left,
+                                 window_right=inputs.window_right, softmax_scale=inputs.softmax_scale, out=out,
+                                 lse=lse, config=plan.config)
+        else:
+            gluon_forward(inputs.q, inputs.k, inputs.v, window_size=(inputs.window_left, inputs.window_right),
+                          softmax_scale=inputs.softmax_scale, out=out, lse=lse, config=plan.config)
         return
     if plan.upcast:
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)

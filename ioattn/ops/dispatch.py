@@ -128,8 +128,6 @@ def gluon_unsupported(inputs: AttentionInputs, capability: tuple[int, int] | Non
     """Why the Gluon forward cannot take this call (None when it can)."""
     if capability is None or capability[0] != 9:
         return f"it is sm_90 only (this device: {'CPU' if capability is None else 'sm_%d%d' % capability})"
-    if inputs.varlen:
-        return "it takes dense batches, not varlen"
     if inputs.attn_mask is not None:
         return "it takes no attn_mask"
     if inputs.k_descale is not None or inputs.v_descale is not None:
@@ -139,6 +137,8 @@ def gluon_unsupported(inputs: AttentionInputs, capability: tuple[int, int] | Non
         return "its causal mask and windows are aligned bottom-right, this call's top-left with Nq != Nk"
     if not inputs.softmax_scale > 0.0:
         return f"it takes a positive softmax_scale only, got {inputs.softmax_scale}"
+    if inputs.varlen:  # packed (total, H, D): the kernel sees them as one (1, total, H, D) batch
+        return gluon_forward.tensors_unsupported(*(t.unsqueeze(0) for t in (inputs.q, inputs.k, inputs.v)))
     return gluon_forward.tensors_unsupported(inputs.q, inputs.k, inputs.v)
 
 
@@ -187,16 +187,17 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
         if backend == "gluon" and config is not None:
             raise ValueError(f"config is a Triton forward configuration ({config}); backend='gluon' takes none")
         windowed = inputs.window_left >= 0 or inputs.window_right > 0
-        faster = None if unsupported or windowed else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1],
-                                                                                 inputs.k.shape[1])
+        unmeasured = "sliding windows" if windowed else "varlen batches" if inputs.varlen else None
+        faster = None if unsupported or unmeasured else gluon_forward.gluon_faster(q.shape[-1], causal, q.shape[1],
+                                                                                   inputs.k.shape[1])
         if backend == "gluon" or (faster and config is None):
             problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, True, "ieee", False)
             return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1]), problem, (),
                         f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
                         bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
-        why += ("; not the Gluon forward: " + (unsupported or ("sliding windows not measured on it (GLUON_FASTER)"
-                                                               if windowed else
-                                                               "not measured faster for this shape (GLUON_FASTER)")))
+        why += "; not the Gluon forward: " + (unsupported or (f"{unmeasured} not measured on it (GLUON_FASTER)"
+                                                              if unmeasured else
+                                                              "not measured faster for this shape (GLUON_FASTER)"))
     if config is None:
         config, source = tuned_config(q.shape[-1], q.dtype, causal, capability, inputs.max_seqlen_q)
         if capability is not None:

@@ -266,3 +266,38 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return out, lse
+
+
+def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, window_left: int, window_right: int,
+                         softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
+                         config: GluonConfig | None = None) -> None:
+    """The varlen forward through the Gluon kernel, as `flash_attn_varlen_func(..., backend="gluon")` runs it once
+    `checks.validate_varlen` has checked every argument: packed q (total_q, Hq, D), k, v (total_k, Hkv, D),
+    cu_seqlens int32 (B + 1,), windows (-1 unbounded) aligned bottom-right per sequence. Writes out (like q) and
+    lse (Hq, total_q) float32, contiguous."""
+    q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out))  # (1, total, H, D): one TMA batch coordinate
+    _check(q4, k4, v4, out4)
+    batch, hq, d = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
+    if batch == 0 or q.shape[0] == 0 or hq == 0:
+        return
+    if k.shape[0] == 0:  # TMA boxes need a non-empty tensor; no key: O = 0, LSE = -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+
+    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+
+    cfg = gluon_config(d) if config is None else config
+    m_blocks = max(triton.cdiv(max_seqlen_q, CONSUMERS.value * BLOCK_M), 1)
+    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
+        _descriptor(q4, BLOCK_M), _descriptor(k4, cfg.block_n), _descriptor(v4, cfg.block_n),
+        _descriptor(out4, BLOCK_M), lse, max_seqlen_q, 0, hq, hq // k.shape[1], batch * hq, m_blocks,
+        max(window_left, 0), max(window_right, 0), softmax_scale * LOG2E,
+        LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
+        Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
+        stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
+    )

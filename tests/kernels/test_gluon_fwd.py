@@ -9,6 +9,7 @@ with NaN before every call.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 
@@ -23,7 +24,8 @@ _AOT_SCRIPT = """
 import json, sys
 import aot
 for head_dim, causal, dtype in json.loads(sys.argv[1]):
-    kernel = aot.gluon_forward_kernel(head_dim, causal, dtype.replace("window", "bf16"), window=dtype == "window")
+    kernel = aot.gluon_forward_kernel(head_dim, causal, "fp8" if dtype == "fp8" else "bf16", window=dtype == "window",
+                                      varlen=dtype == "varlen")
     print(json.dumps(dict(case=[head_dim, causal, dtype], cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"),
@@ -33,7 +35,7 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
 
 def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
     cases = [[64, False, "bf16"], [64, True, "bf16"], [128, False, "bf16"], [128, True, "bf16"],
-             [256, True, "bf16"], [128, True, "fp8"], [128, False, "window"]]
+             [256, True, "bf16"], [128, True, "fp8"], [128, False, "window"], [128, True, "varlen"]]
     builds = build_records(_AOT_SCRIPT, json.dumps(cases))
     assert [b["case"] for b in builds] == cases
     for b in builds:
@@ -254,7 +256,7 @@ def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster():
     flat = q.reshape(4, 2, 128)
     cu = torch.tensor([0, 4], dtype=torch.int32)
     varlen = checks.validate_varlen(flat, flat, flat, cu, cu, 4, 4, True, (-1, -1), None, True)
-    assert "varlen" in dispatch.gluon_unsupported(varlen, (9, 0))
+    assert "CUDA tensor" in dispatch.gluon_unsupported(varlen, (9, 0))  # packed batches pass; CPU tensors do not
     with pytest.raises(ValueError, match="backend='gluon' cannot take this call: it is sm_90 only"):
         ioattn.explain(q, q, q, causal=True, backend="gluon")
     with pytest.raises(ValueError, match="'gluon'"):
@@ -319,3 +321,44 @@ def test_windowed_calls_run_gluon_when_asked_and_its_backward_follows_the_window
     want = attention_grads_ref(q, k, v, do, scale=128 ** -0.5, window_size=window, saved_o=out.detach())
     for name, leaf, grad in zip("qkv", leaves, want):
         assert rel_error(leaf.grad, grad) < TOLERANCE[torch.bfloat16], name
+
+
+VARLEN_CASES = [  # (query lengths, key lengths, causal, window, heads, d)
+    ([1000, 0, 37, 300, 129], [1000, 5, 37, 900, 64], False, (-1, -1), (8, 2), 128),
+    ([1000, 0, 37, 300, 129], [1000, 5, 37, 900, 64], True, (-1, -1), (8, 2), 128),
+    ([64, 65, 1, 2000], [64, 65, 1, 2000], True, (-1, -1), (4, 4), 64),
+    ([700, 128, 3], [1500, 100, 300], False, (200, 0), (8, 2), 256),
+    ([513, 90], [513, 2000], False, (64, 64), (4, 1), 64),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", range(len(VARLEN_CASES)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_packed_sequences(case, dtype):
+    """flash_attn_varlen_func(backend="gluon"): sequences packed back to back (empty ones, one row, shorter than
+    a Q tile, Nq != Nk per sequence), causal and windowed; a sequence's last query tile must not write into the
+    next one's rows (each is compared), and LSE is (Hq, total_q). Auto keeps Triton for varlen (not measured)."""
+    import ioattn
+
+    lens_q, lens_k, causal, window, (hq, hkv), d = VARLEN_CASES[case]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), device="cuda", dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), device="cuda", dtype=torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(case)
+    q = torch.randn(sum(lens_q), hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(sum(lens_k), hkv, d, device="cuda", dtype=dtype, generator=g)
+    args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    plan = ioattn.explain(*args[:3], api="varlen", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                          max_seqlen_k=max(lens_k), causal=causal, window_size=window, backend="gluon")
+    assert plan.backend == "gluon", str(plan)
+    out, lse = ioattn.flash_attn_varlen_func(*args, causal=causal, window_size=window, return_lse=True,
+                                             backend="gluon")
+    torch.cuda.synchronize()
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, window_size=window, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert lse.shape == (hq, q.shape[0])
+    assert rel_error(out, ref) < TOLERANCE[dtype] and lse_error(lse, ref_lse) < 1e-3
+    auto = ioattn.explain(*args[:3], api="varlen", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q),
+                          max_seqlen_k=max(lens_k), causal=causal, window_size=window)
+    assert auto.backend == "triton" and "not measured on it" in auto.reason, str(auto)
