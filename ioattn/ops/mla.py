@@ -107,14 +107,27 @@ def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tupl
 
 
 def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
-    """Configurations worth timing for one shape on the GPU (pass each as `config=`): the sm_90 builds of these
-    hold their accumulator without spills (lab/aot.py --mla)."""
+    """Configurations worth timing for one shape on the GPU (pass each as `config=`): the sm_90 builds of the
+    Triton ones hold their accumulator without spills (lab/aot.py --mla); decode adds the Gluon decode's."""
     if num_heads <= 16:
         shapes = [(16, n, w) for n in (16, 32, 64) for w in (4, 8)]
     else:
         shapes = [(16, 32, 4), *((h, n, 8) for h in (32, 64) for n in (16, 32))]
-    return [MLAConfig(block_h=h, block_m=h if decode else max(64, h), block_n=n, num_warps=w, num_stages=s)
-            for h, n, w in shapes for s in (1, 2, 3)]
+    triton_configs = [MLAConfig(block_h=h, block_m=h if decode else max(64, h), block_n=n, num_warps=w, num_stages=s)
+                      for h, n, w in shapes for s in (1, 2, 3)]
+    return triton_configs + (gluon_candidate_configs(num_heads) if decode else [])
+
+
+def gluon_candidate_configs(num_heads: int, v_head_dim: int = 512) -> list[MLAConfig]:
+    """The Gluon MLA decode's configurations worth timing on sm_90 (`launch_gluon_mla` refuses them elsewhere):
+    16 heads per program on mma.sync, and from 64 heads 64 per program on wgmma; 32- or 64-key tiles, 2-4
+    stages where shared memory holds them, registers uncapped or (16 heads) capped at 128."""
+    from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
+
+    shapes = [(16, 4, None), (16, 4, 128)] + ([(64, 8, None)] if num_heads >= 64 else [])
+    configs = [MLAConfig(block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r, kernel="gluon")
+               for h, w, r in shapes for n in (32, 64) for s in (2, 3, 4)]
+    return [c for c in configs if gluon_mla_config_unsupported(c, v_head_dim) is None]
 
 
 @dataclass(frozen=True)

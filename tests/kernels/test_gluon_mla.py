@@ -239,3 +239,17 @@ def test_cuda_graph_replays_with_new_lengths_and_tables():
     new_lens = replay_with_new_lengths_and_tables(step, lens, table, q, out)
     ref, _ = reference(q, cache, table, new_lens, [1] * 3, 512, 0.05)
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
+
+
+def test_tuning_candidates_include_the_gluon_decode():
+    """`bench decode --mla --tune` times the Gluon decode's configurations beside the Triton ones (decode only):
+    every one builds (gluon_mla_config_unsupported), 64 heads per program only where there are 64 heads."""
+    from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
+    from ioattn.ops.mla import candidate_configs
+
+    for heads in (16, 128):
+        gluon = [c for c in candidate_configs(heads, decode=True) if c.kernel == "gluon"]
+        assert gluon and all(gluon_mla_config_unsupported(c, 512) is None for c in gluon)
+        assert {c.block_h for c in gluon} == ({16} if heads == 16 else {16, 64})
+        assert {c.block_n for c in gluon} == {32, 64}
+    assert all(c.kernel == "triton" for c in candidate_configs(128, decode=False))
