@@ -402,8 +402,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mla-backend", default="triton", choices=("auto", "triton", "torch"),
                    help="mla_paged_attention's backend for the ioattn-mla row")
     p.add_argument("--num-splits", type=int, default=0, help="split count for ioattn-mla (0: its heuristic)")
-    p.add_argument("--tune", action="store_true", help="also time every candidate config (Triton, and the Gluon decode on sm_90) and a few split counts "
-                                                      "for ioattn-mla (extra.tune: the five fastest)")
+    p.add_argument("--tune", action="store_true", help="also time every candidate config (Triton; the Gluon decode "
+                                                      "on sm_90) and a few split counts for ioattn-mla (extra.tune: "
+                                                      "the five fastest)")
     p.add_argument("--max-kv-gib", type=float, default=60.0, help="skip cases whose latent cache exceeds this")
     p.add_argument("--layers", type=int, help="distinct caches run back to back in one timed graph (default 32 on "
                                               "CUDA, 1 on the CPU)")
