@@ -329,6 +329,7 @@ VARLEN_CASES = [  # (query lengths, key lengths, causal, window, heads, d)
     ([64, 65, 1, 2000], [64, 65, 1, 2000], True, (-1, -1), (4, 4), 64),
     ([700, 128, 3], [1500, 100, 300], False, (200, 0), (8, 2), 256),
     ([513, 90], [513, 2000], False, (64, 64), (4, 1), 64),
+    ([10, 200, 70], [0, 300, 0], True, (-1, -1), (2, 2), 128),  # sequences with queries and no key: 0 and -inf
 ]
 
 
