@@ -263,6 +263,25 @@ def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster():
         ioattn.flash_attn_func(q, q, q, backend="cudnn")
 
 
+def _forward_and_backward_match(q, k, v, **options):
+    """flash_attn_func(q, k, v, **options): O and LSE against float64, then its gradients (the Triton backward
+    on the forward's O and LSE) against float64 autograd. Returns the reference O."""
+    import ioattn
+    from attention_grad_ref import attention_grads_ref
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = ioattn.flash_attn_func(*leaves, return_lse=True, **options)
+    ref_options = {name: options[name] for name in ("causal", "window_size") if name in options}
+    ref, ref_lse = attention_ref(q, k, v, **ref_options)
+    assert rel_error(out, ref) < TOLERANCE[q.dtype] and lse_error(lse, ref_lse) < 1e-3
+    do = torch.randn_like(out)
+    out.backward(do)
+    want = attention_grads_ref(q, k, v, do, scale=q.shape[-1] ** -0.5, saved_o=out.detach(), **ref_options)
+    for name, leaf, grad in zip("qkv", leaves, want):
+        assert rel_error(leaf.grad, grad) < TOLERANCE[q.dtype], name
+    return ref
+
+
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal, n", [(True, 2048), (False, 8192)])
@@ -271,20 +290,11 @@ def test_auto_dispatch_runs_gluon_forward_and_triton_backward(causal, n):
     result and the LSE match the float64 reference and the gradients (Triton backward on the Gluon O and LSE)
     match float64 autograd."""
     import ioattn
-    from attention_grad_ref import attention_grads_ref
 
     q, k, v = _inputs(1, n, n, 4, 2, 128, torch.bfloat16, seed=n)
     plan = ioattn.explain(q, k, v, causal=causal)
     assert plan.backend == "gluon" and "gluon_fwd_kernel" in plan.kernel, str(plan)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ioattn.flash_attn_func(*leaves, causal=causal, return_lse=True)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal)
-    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
-    do = torch.randn_like(out)
-    out.backward(do)
-    want = attention_grads_ref(q, k, v, do, scale=128 ** -0.5, causal=causal, saved_o=out.detach())
-    for name, leaf, grad in zip("qkv", leaves, want):
-        assert rel_error(leaf.grad, grad) < TOLERANCE[torch.bfloat16], name
+    ref = _forward_and_backward_match(q, k, v, causal=causal)
     sdpa_out = ioattn.sdpa(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True)
     assert rel_error(sdpa_out.transpose(1, 2), ref) < TOLERANCE[torch.bfloat16]
     assert ioattn.explain(q, k, v, causal=causal, backend="triton").backend == "triton"
@@ -305,22 +315,13 @@ def test_windowed_calls_run_gluon_when_asked_and_its_backward_follows_the_window
     """backend="gluon" with a sliding window runs the Gluon forward (auto keeps Triton: windows are not in
     GLUON_FASTER, and explain says so); O, LSE and the Triton backward's gradients follow the window."""
     import ioattn
-    from attention_grad_ref import attention_grads_ref
 
     q, k, v = _inputs(1, 2048, 2048, 4, 2, 128, torch.bfloat16, seed=11)
     window = (300, 0)
     auto = ioattn.explain(q, k, v, window_size=window)
     assert auto.backend == "triton" and "sliding windows not measured" in auto.reason, str(auto)
     assert ioattn.explain(q, k, v, window_size=window, backend="gluon").backend == "gluon"
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ioattn.flash_attn_func(*leaves, window_size=window, return_lse=True, backend="gluon")
-    ref, ref_lse = attention_ref(q, k, v, window_size=window)
-    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
-    do = torch.randn_like(out)
-    out.backward(do)
-    want = attention_grads_ref(q, k, v, do, scale=128 ** -0.5, window_size=window, saved_o=out.detach())
-    for name, leaf, grad in zip("qkv", leaves, want):
-        assert rel_error(leaf.grad, grad) < TOLERANCE[torch.bfloat16], name
+    _forward_and_backward_match(q, k, v, window_size=window, backend="gluon")
 
 
 VARLEN_CASES = [  # (query lengths, key lengths, causal, window, heads, d)
