@@ -11,7 +11,8 @@ timeout "${TESTS_S:-200}" python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no
     tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py > "$OUT/gpu-tests.txt" 2>&1
 echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
 step "2. the Gluon forward beside its peers"
-timeout "${BENCH_S:-300}" python3 lab/gluon_fwd_bench.py --budget-s $(( ${BENCH_S:-300} - 40 )) 2>&1 | grep -v Warning \
+timeout "${BENCH_S:-300}" python3 lab/gluon_fwd_bench.py --head-dims "${HEAD_DIMS:-128,64,256}" \
+    --budget-s $(( ${BENCH_S:-300} - 40 )) 2>&1 | grep -v Warning \
     | python3 -c "
 import json, sys
 for line in sys.stdin:
