@@ -195,9 +195,15 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
             return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1]), problem, (),
                         f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
                         bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
-        why += "; not the Gluon forward: " + (unsupported or (f"{unmeasured} not measured on it (GLUON_FASTER)"
-                                                              if unmeasured else
-                                                              "not measured faster for this shape (GLUON_FASTER)"))
+        if unsupported:
+            not_gluon = unsupported
+        elif unmeasured:
+            not_gluon = f"{unmeasured} not measured on it (GLUON_FASTER)"
+        elif gluon_forward.GLUON_FASTER:
+            not_gluon = "not measured faster for this shape (GLUON_FASTER)"
+        else:
+            not_gluon = "not measured since its 2026-12-06 rewrite (GLUON_FASTER is empty)"
+        why += f"; not the Gluon forward: {not_gluon}"
     if config is None:
         config, source = tuned_config(q.shape[-1], q.dtype, causal, capability, inputs.max_seqlen_q)
         if capability is not None:

@@ -14,8 +14,8 @@ probabilities to e4m3 after x 256, and add each tile's P·V, computed in a fresh
 with the tile's V scale (two-level accumulation, so no fp8 accumulation spans more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
 output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
 
-Kernels: on sm_90 (D <= 128, full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`,
-FP8 mode), else the Triton forward; V is handed to both transposed (keys contiguous: fp8 wgmma reads only K-major
+Kernels: the Triton forward, or with backend="gluon" on sm_90 (D <= 128, full or causal) the warp-specialized
+Gluon forward (`ioattn.kernels.gluon_fwd`, FP8 mode; auto takes it again once measured: FP8_GLUON_AUTO); V is handed to both transposed (keys contiguous: fp8 wgmma reads only K-major
 operands). Speed: not yet a speedup over bf16. On an H100 the kernel runs at 0.49-1.01x our bf16 forward at D 128
 (bench/results/2026-12-06-fp8-forward-h100: bound by per-tile CUDA-core work, not the tensor cores); opt-in only.
 
@@ -113,6 +113,10 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
 
 
 FP8_BACKENDS = ("auto", "triton", "gluon")
+# auto takes the Gluon kernel where it can only once a GPU run has measured it: it was rewritten on 2026-12-06
+# (persistent grid) and has not run since; before, it was within +-10% of the Triton one
+# (bench/results/2026-12-06-fp8-forward-h100)
+FP8_GLUON_AUTO = False
 
 
 @dataclass(frozen=True)
@@ -154,12 +158,17 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     why_not = _why_not_gluon(q.device, dim, window, config)
     if backend == "gluon" and why_not:
         raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
-    if backend != "triton" and why_not is None:
+    if why_not is None and (backend == "gluon" or (backend == "auto" and FP8_GLUON_AUTO)):
         from ioattn.ops.gluon_forward import fp8_gluon_config
 
         return FP8Plan("gluon", fp8_gluon_config(dim), f"backend={backend!r}: sm_90, D {dim}, "
                        f"{'causal' if window[1] == 0 else 'full'} attention", scales, scale, window)
-    reason = "backend='triton'" if backend == "triton" else f"the Gluon kernel does not take it: {why_not}"
+    if backend == "triton":
+        reason = "backend='triton'"
+    elif why_not is not None:
+        reason = f"the Gluon kernel does not take it: {why_not}"
+    else:
+        reason = "auto: the Gluon kernel is not measured since its 2026-12-06 rewrite (FP8_GLUON_AUTO)"
     chosen = config or fp8_config(dim, window[1] == 0, device_capability(q.device), q.shape[1])
     return FP8Plan("triton", chosen, reason + ("" if config is None else "; config= given"), scales, scale, window)
 

@@ -83,11 +83,12 @@ def fp8_gluon_config(head_dim: int) -> GluonConfig:
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
-# tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048; the H200 run in
-# bench/results/2026-12-05-mla-gluon-h200 and the H100 run in bench/results/2026-12-05-w2-tune-h100, which
-# measured D 256 at 1.14-1.32x on every row from 2k). D 64 is slower at every length measured; absent pairs stay
-# on Triton.
-GLUON_FASTER = {(128, False): 8192, (128, True): 2048, (256, False): 2048, (256, True): 2048}
+# tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048). Empty: the kernel was
+# rewritten on 2026-12-06 (persistent grid, sliding windows, varlen) and has not run on a GPU since, so no committed
+# run measures it and auto takes the Triton forward; `lab/gluon_fwd_device.sh` measures it and its GPU tests. The
+# non-persistent kernel before it was measured faster at {(128, False): 8192, (128, True): 2048, (256, False): 2048,
+# (256, True): 2048} (bench/results/2026-12-05-mla-gluon-h200, 2026-12-05-w2-tune-h100).
+GLUON_FASTER: dict[tuple[int, bool], int] = {}
 
 
 def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:

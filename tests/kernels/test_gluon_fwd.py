@@ -230,15 +230,22 @@ def test_empty_and_rejected_inputs():
     assert math.isfinite(gluon_forward(q, k, v, causal=True)[1].max().item())
 
 
-def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster():
+# the table as the kernel before the 2026-12-06 rewrite had it: the dispatch tests fill GLUON_FASTER with it
+MEASURED_BEFORE = {(128, False): 8192, (128, True): 2048, (256, False): 2048, (256, True): 2048}
+
+
+def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster(monkeypatch):
     """The decision on any machine: plan() on CPU tensors with the capability and table lookups it combines."""
     import ioattn
-    from ioattn.ops import checks, dispatch
-    from ioattn.ops.gluon_forward import GLUON_FASTER, gluon_faster
+    from ioattn.ops import checks, dispatch, gluon_forward
+    from ioattn.ops.gluon_forward import gluon_faster
 
+    assert not gluon_forward.GLUON_FASTER  # nothing measured since the rewrite: auto takes the Triton forward
+    assert gluon_faster(128, True, 16384, 16384) is None
+    monkeypatch.setattr(gluon_forward, "GLUON_FASTER", MEASURED_BEFORE)
     assert gluon_faster(128, True, 2048, 2048) and gluon_faster(128, False, 8192, 16384)
     assert gluon_faster(128, False, 2048, 2048) is None and gluon_faster(64, True, 16384, 16384) is None
-    assert all(gluon_faster(d, c, n, n) is None for (d, c), n in GLUON_FASTER.items() for n in [n - 1])
+    assert all(gluon_faster(d, c, n, n) is None for (d, c), n in MEASURED_BEFORE.items() for n in [n - 1])
     q = torch.zeros(1, 4, 2, 128, dtype=torch.bfloat16)
     dense = checks.validate_dense(q, q, q, True, (-1, -1), None)
     assert "sm_90 only" in dispatch.gluon_unsupported(dense, None)
@@ -285,13 +292,18 @@ def _forward_and_backward_match(q, k, v, **options):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal, n", [(True, 2048), (False, 8192)])
-def test_auto_dispatch_runs_gluon_forward_and_triton_backward(causal, n):
-    """Where GLUON_FASTER says so, flash_attn_func and sdpa run the Gluon forward (explain names it); the
-    result and the LSE match the float64 reference and the gradients (Triton backward on the Gluon O and LSE)
-    match float64 autograd."""
+def test_auto_dispatch_runs_gluon_forward_and_triton_backward(causal, n, monkeypatch):
+    """Where GLUON_FASTER says so (here: the table the kernel before the rewrite had), flash_attn_func and sdpa
+    run the Gluon forward (explain names it); the result and the LSE match the float64 reference and the
+    gradients (Triton backward on the Gluon O and LSE) match float64 autograd. With the table empty, auto keeps
+    the Triton forward and says why."""
     import ioattn
+    from ioattn.ops import gluon_forward
 
     q, k, v = _inputs(1, n, n, 4, 2, 128, torch.bfloat16, seed=n)
+    unmeasured = ioattn.explain(q, k, v, causal=causal)
+    assert unmeasured.backend == "triton" and "GLUON_FASTER is empty" in unmeasured.reason, str(unmeasured)
+    monkeypatch.setattr(gluon_forward, "GLUON_FASTER", MEASURED_BEFORE)
     plan = ioattn.explain(q, k, v, causal=causal)
     assert plan.backend == "gluon" and "gluon_fwd_kernel" in plan.kernel, str(plan)
     ref = _forward_and_backward_match(q, k, v, causal=causal)
