@@ -15,8 +15,8 @@ with the tile's V scale (two-level accumulation, so no fp8 accumulation spans mo
 output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
 
 Kernels: the Triton forward, or with backend="gluon" on sm_90 (D <= 128, full or causal) the warp-specialized
-Gluon forward (`ioattn.kernels.gluon_fwd`, FP8 mode; auto takes it again once measured: FP8_GLUON_AUTO); V is handed to both transposed (keys contiguous: fp8 wgmma reads only K-major
-operands). Speed: not yet a speedup over bf16. On an H100 the kernel runs at 0.49-1.01x our bf16 forward at D 128
+Gluon forward (`ioattn.kernels.gluon_fwd`, FP8 mode; auto takes it again once measured: FP8_GLUON_AUTO); V is
+handed to both transposed (keys contiguous: fp8 wgmma reads only K-major operands). Speed: not yet a speedup over bf16. On an H100 the kernel runs at 0.49-1.01x our bf16 forward at D 128
 (bench/results/2026-12-06-fp8-forward-h100: bound by per-tile CUDA-core work, not the tensor cores); opt-in only.
 
 Supported: the dense layout (B, N, H, D), D in 64, 128, 256, GQA, causal and windows (bottom-right), no

@@ -262,9 +262,10 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
         lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0), scale * LOG2E,
-        LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
-        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
-        SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
+        PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
     )
     return out, lse
 
