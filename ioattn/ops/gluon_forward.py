@@ -233,10 +233,10 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     `lse` when given: contiguous); rows that see no key give 0 and -inf. `config` overrides the head dim's
     `gluon_config` (the lab's variants). Raises ValueError naming the argument for inputs the kernel does not
     take."""
+    window_left, window_right = _window(window_size, causal)
     _check(q, k, v, out)
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
-    window_left, window_right = _window(window_size, causal)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")

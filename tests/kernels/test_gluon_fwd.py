@@ -66,11 +66,13 @@ def test_configs_fit_shared_memory():
 @pytest.mark.parametrize("bad, match", [
     (dict(dtype=torch.float32), "q.dtype"),
     (dict(), "q must be a CUDA tensor"),
+    *((dict(window_size=w), "window_size must be two ints") for w in ((-2, 0), (0,), (1.5, 0), "full", (True, 0))),
 ])
 def test_rejects_without_a_gpu(bad, match):
-    q = torch.zeros(1, 8, 2, 64, dtype=bad.get("dtype", torch.bfloat16))
+    options = dict(bad)
+    q = torch.zeros(1, 8, 2, 64, dtype=options.pop("dtype", torch.bfloat16))
     with pytest.raises(ValueError, match=match):
-        gluon_forward(q, q, q, causal=False)
+        gluon_forward(q, q, q, causal=False, **options)
 
 
 def test_rejects_non_4d():
