@@ -15,10 +15,8 @@ step "2. variants, L2-resident"
 GLUON_L2=1 GLUON_FP8="$FP8" GLUON_BF16="$BF16" timeout 100 python3 lab/gluon_decode.py 2>&1 | grep -v Warning \
     | grep "B64 \|B256"
 step "3. GPU tests: the Gluon decode, fp8 caches, the paged kernel, the fp8 engine"
-timeout 330 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/kernels/test_gluon_paged.py tests/kernels/test_paged_fp8.py tests/kernels/test_paged.py \
-    tests/engine/test_fp8_engine.py > "$OUT/gpu-tests.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+gpu_tests 330 8 gpu-tests.txt tests/kernels/test_gluon_paged.py tests/kernels/test_paged_fp8.py \
+    tests/kernels/test_paged.py tests/engine/test_fp8_engine.py
 step "4. ioattn bench decode, fp8 beside bf16 and cuDNN, the bar's rows"
 fp8_decode_bench 170
 step "done"

@@ -7,9 +7,7 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/device_log.sh" gluon-fwd.log
 step "1. GPU tests: the Gluon forward, the fp8 forward"
-timeout "${TESTS_S:-200}" python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py > "$OUT/gpu-tests.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+gpu_tests "${TESTS_S:-200}" 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py
 step "2. the Gluon forward beside its peers"
 timeout "${BENCH_S:-300}" python3 lab/gluon_fwd_bench.py --head-dims "${HEAD_DIMS:-128,64,256}" \
     --budget-s $(( ${BENCH_S:-300} - 40 )) 2>&1 | grep -v Warning \

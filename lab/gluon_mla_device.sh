@@ -7,14 +7,10 @@ set -u
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 source "$(dirname "$0")/device_log.sh" gluon-mla.log
 step "1. GPU tests: the Gluon and Triton MLA kernels, the paged kernels, the engine (tiny-mla decodes on Gluon)"
-timeout 150 python3 -m pytest -q -n 8 -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py tests/kernels/test_gluon_paged.py \
-    tests/kernels/test_paged.py > "$OUT/gpu-tests.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | tail -15
+gpu_tests 150 8 gpu-tests.txt tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py \
+    tests/kernels/test_gluon_paged.py tests/kernels/test_paged.py
 # the engines size their pools from the GPU's free memory: one at a time, with the GPU to themselves
-timeout 120 python3 -m pytest -q -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
-    tests/engine/test_fp8_engine.py tests/engine/test_engine_gpu.py > "$OUT/gpu-tests-engine.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests-engine.txt" | tail -15
+gpu_tests 120 1 gpu-tests-engine.txt tests/engine/test_fp8_engine.py tests/engine/test_engine_gpu.py
 if [ "${SWEEP:-1}" = 1 ]; then
 step "2. Gluon MLA variants beside the Triton MLA kernel, 16 heads"
 timeout 150 python3 lab/gluon_mla.py 2>&1 | grep -v Warning

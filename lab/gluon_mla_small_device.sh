@@ -10,8 +10,7 @@ GLUON_MLA="w64/2/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128-small.js
     GLUON_MLA_SHAPES="1x1024 1x4096 1x8192 1x32768 8x1024 8x4096 8x32768" timeout 100 \
     python3 lab/gluon_mla.py 2>&1 | grep -v Warning
 step "2. GPU tests: the default plan, and the engine's pool sizing alone (it failed beside seven other workers)"
-timeout 120 python3 -m pytest -q -m gpu -rfE --tb=short -p no:warnings -p no:cacheprovider \
+gpu_tests 120 1 gpu-tests-small.txt \
     tests/kernels/test_gluon_mla.py::test_default_plan_takes_gluon_at_16_and_128_heads_on_sm90 \
-    tests/engine/test_engine_gpu.py::test_pool_sized_from_gpu_memory_utilization_bf16 > "$OUT/gpu-tests-small.txt" 2>&1
-echo "pytest exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests-small.txt" | tail -5
+    tests/engine/test_engine_gpu.py::test_pool_sized_from_gpu_memory_utilization_bf16
 step "done"
