@@ -8,6 +8,7 @@ from ioattn.kernels import interpreted
 
 HOPPER = (9, 0)  # H100 / H200: the tuned tables' device
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+HOPPER_SHARED_MEMORY = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
 MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second dimension (the kernels put (batch, head) pairs there)
 
 

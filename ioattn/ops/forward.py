@@ -14,7 +14,7 @@ from triton.runtime import _allocation  # the allocator's ContextVar (pinned tri
 
 from ioattn.kernels import interpreted
 from ioattn.kernels.prefill_fwd import MASK_ADDITIVE, MASK_BOOL, MASK_NONE, prefill_fwd_kernel
-from ioattn.ops.capability import HOPPER, SIXTEEN_BIT
+from ioattn.ops.capability import HOPPER, HOPPER_SHARED_MEMORY, SIXTEEN_BIT
 from ioattn.ops.launch_config import check_launch_config
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,6 @@ def tuned_config(head_dim: int, dtype: torch.dtype, causal: bool, capability,
             f"default rule (no tuned entry for sm{capability[0]}{capability[1]} {dtype})")
 
 
-HOPPER_SHARED_MEMORY = 227 * 1024  # opt-in dynamic shared memory per block on H100/H200
 
 
 def shared_memory_estimate(config: FwdConfig, head_dim: int, dtype: torch.dtype,

@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 
-from ioattn.ops.capability import SIXTEEN_BIT
+from ioattn.ops.capability import HOPPER_SHARED_MEMORY, SIXTEEN_BIT
 
 BLOCK_M = 64  # query rows per consumer warpgroup: the wgmma atom (see the kernel's docstring)
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and strides
@@ -51,7 +51,6 @@ _FP8_CONFIGS = {
 }
 
 
-SHARED_BYTES = 227 * 1024  # what one sm_90 program may take
 BARRIER_BYTES = 1024  # the mbarriers and the allocator's alignment, with room to spare
 
 
@@ -61,7 +60,7 @@ def separate_o(head_dim: int, cfg: GluonConfig, element_bytes: int = 2, fp8: boo
     if fp8:
         return True
     tiles = 2 * 2 * BLOCK_M * head_dim + cfg.stages * 2 * cfg.block_n * head_dim  # Q, O, the ring
-    return tiles * element_bytes + BARRIER_BYTES <= SHARED_BYTES
+    return tiles * element_bytes + BARRIER_BYTES <= HOPPER_SHARED_MEMORY
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,12 +12,11 @@ import math
 
 import torch
 
-from ioattn.ops.capability import MAX_GRID_Y
+from ioattn.ops.capability import HOPPER_SHARED_MEMORY, MAX_GRID_Y
 from ioattn.ops.gluon_paged import cache_descriptor
 
 ROPE_DIM = 64
 MAX_LATENT = 512
-SHARED_BYTES = 227 * 1024
 REGISTERS = 65536
 
 
@@ -66,9 +65,9 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
     row_bytes = 2 * (v_head_dim + ROPE_DIM)
     shared = (config.num_stages * config.block_n * row_bytes + config.block_h * row_bytes
               + config.block_h * config.block_n * 2)
-    if shared > SHARED_BYTES:
+    if shared > HOPPER_SHARED_MEMORY:
         return (f"config.num_stages={config.num_stages} x block_n={config.block_n} latent rows need {shared} bytes "
-                f"of shared memory, more than {SHARED_BYTES}")
+                f"of shared memory, more than {HOPPER_SHARED_MEMORY}")
     return None
 
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ioattn.ops.forward import FwdConfig, FwdProblem, launch_prefill_fwd
-from ioattn.ops.forward import HOPPER_SHARED_MEMORY, candidate_configs, shared_memory_estimate
+from ioattn.ops.capability import HOPPER_SHARED_MEMORY
+from ioattn.ops.forward import candidate_configs, shared_memory_estimate
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 SMALL = FwdConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
