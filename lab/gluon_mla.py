@@ -8,7 +8,7 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
 
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
-                             (a leading w: 64 heads per program on wgmma)
+                             (a leading w: 64 heads per program on wgmma; wo: with its overlapped loop)
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
 
@@ -38,11 +38,12 @@ def variants(heads: int) -> list:
     out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True))]
     for item in GLUON_MLA.split():
         wide = item.startswith("w")  # 64 heads per program on wgmma, 8 warps
-        n, s, r, p = map(int, item.lstrip("w").split("/"))
+        overlap = item.startswith("wo")  # ... with the next tile's S and the softmax under P·V
+        n, s, r, p = map(int, item.lstrip("wo").split("/"))
         h, w = (64, 8) if wide else (16, 4)
-        out.append((f"gluon{'-wgmma' if wide else ''} n{n} s{s} r{r} p{p}", MLAConfig(
+        out.append((f"gluon{'-wgmma' if wide else ''}{'-overlap' if overlap else ''} n{n} s{s} r{r} p{p}", MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon")))
+            kernel="gluon", overlap=overlap)))
     return out
 
 
