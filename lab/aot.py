@@ -176,9 +176,10 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
 
 
 def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg=80, page=16, query="bf16",
-                       threshold=0.0):
+                       threshold=0.0, release=False):
     """The Gluon paged decode (`PagedConfig(kernel="gluon")`) for 32/8 heads: cache "e4m3" / "e5m2" (fp8) or
-    "bf16" / "fp16" (the queries' dtype), TMA boxes of min(page, block_n) slots."""
+    "bf16" / "fp16" (the queries' dtype), TMA boxes of min(page, block_n) slots; release: it lets a dependent launch
+    (the split combine) start early."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -194,7 +195,8 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
     types = {n: "i32" for n in kernel.arg_names}
     types.update(k_desc=desc, v_desc=desc, Q=f"*{query}", Block_table="*i32", Seq_lens="*i32", Out="*fp32",
                  Lse="*fp32", K_scale="*fp32", V_scale="*fp32", scale_log2="fp32")
-    constexprs = dict(GROUP=4, BLOCK_N=block_n, PAGE=page, STAGES=stages, RESCALE_THRESHOLD=float(threshold))
+    constexprs = dict(GROUP=4, BLOCK_N=block_n, PAGE=page, STAGES=stages, RESCALE_THRESHOLD=float(threshold),
+                      RELEASE_DEPENDENTS=release)
     if not fp8:
         constexprs.update(K_scale=None, V_scale=None)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
@@ -204,9 +206,11 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
     return triton.compile(src, target=TARGET, options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False, overlap=False):
+def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False, overlap=False,
+                     release=False):
     """The Gluon MLA decode (`MLAConfig(kernel="gluon")`) for DeepSeek-V3's latent 512 + rope 64: TMA boxes of
-    min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps); overlap: its pipelined loop."""
+    min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps); overlap: its pipelined loop;
+    release: it lets a dependent launch (the split combine) start early."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -221,7 +225,8 @@ def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", 
     types = {n: "i32" for n in kernel.arg_names}
     types.update(descs, Q=f"*{name}", Block_table="*i32", Seq_lens="*i32", Out="*fp32", Lse="*fp32",
                  scale_log2="fp32")
-    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, OVERLAP=overlap)
+    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, OVERLAP=overlap,
+                      RELEASE_DEPENDENTS=release)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
     sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},

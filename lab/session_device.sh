@@ -3,8 +3,9 @@
 # the call's 560 s would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   fwd:    lab/gluon_fwd_device.sh: the Gluon forward's GPU tests and its bench beside the Triton forward and
-#           cuDNN (W2 5/7)                                                                       <= 280 s (H100: 340)
-#   mla:    the Gluon MLA GPU tests, then 128 heads on wgmma with and without the overlapped loop (W2 7/7)  <= 170 s
+#           cuDNN (W2 5/7)                                                                       <= 270 s (H100: 340)
+#   mla:    the Gluon MLA and paged decode GPU tests, then 128 heads on wgmma with and without the overlapped loop
+#           (W2 7/7)                                                                                        <= 185 s
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
 # From the repository root on the device:   OUT=/tmp/out bash lab/session_device.sh
 set -u
@@ -33,8 +34,8 @@ decode_bar() {
 }
 mla_overlap() {
     source "$lab/device_log.sh" mla.log
-    step "GPU tests: the Gluon MLA decode"
-    gpu_tests 55 8 gpu-tests.txt tests/kernels/test_gluon_mla.py
+    step "GPU tests: the Gluon MLA and paged decodes (both now release the split combine early)"
+    gpu_tests 70 8 gpu-tests.txt tests/kernels/test_gluon_mla.py tests/kernels/test_gluon_paged.py
     step "128 heads on wgmma: the default beside the overlapped loop"
     GLUON_MLA="w64/2/0/1 wo64/2/0/1 wo32/3/0/1 wo32/4/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128.json \
         GLUON_MLA_SHAPES="64x1024 64x4096 64x8192 128x8192 64x32768" timeout 105 python3 lab/gluon_mla.py \
@@ -42,10 +43,10 @@ mla_overlap() {
 }
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     run_part decode 100 bash -c "$(declare -f decode_bar); lab=$lab; decode_bar"
-    run_part fwd 280 env TESTS_S=120 BENCH_S=150 bash "$lab/gluon_fwd_device.sh"
+    run_part fwd 270 env TESTS_S=115 BENCH_S=145 bash "$lab/gluon_fwd_device.sh"
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
     run_part fwd 340 env TESTS_S=150 BENCH_S=180 bash "$lab/gluon_fwd_device.sh"
 fi
-run_part mla 170 bash -c "$(declare -f mla_overlap); lab=$lab; mla_overlap"
+run_part mla 185 bash -c "$(declare -f mla_overlap); lab=$lab; mla_overlap"
 tar czf "$root/session.tgz" -C "$root" "${parts[@]}" && rm -rf "${parts[@]/#/$root/}"

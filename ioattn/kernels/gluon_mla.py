@@ -34,7 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ioattn.kernels.gluon_paged import (
-    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, ring_barriers, split_tiles, store_rows,
+    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, release_dependents, ring_barriers, split_tiles,
+    store_rows,
 )
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns per S step: one 128-byte swizzle row of a 16-bit tile
@@ -327,19 +328,21 @@ def gluon_mla_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-    OVERLAP: gl.constexpr = False,
+    OVERLAP: gl.constexpr = False, RELEASE_DEPENDENTS: gl.constexpr = False,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
     viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N), LATENT] and [min(PAGE, BLOCK_N),
     ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
     float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. OVERLAP (WIDE only):
-    the next tile's S and the softmax run under P·V (`_wide_overlapped`)."""
+    the next tile's S and the softmax run under P·V (`_wide_overlapped`). RELEASE_DEPENDENTS: see
+    `gluon_paged.release_dependents`."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     HEADS: gl.constexpr = WIDE_HEADS if WIDE else BLOCK_M
     dtype: gl.constexpr = lat_desc.dtype
 
+    release_dependents(RELEASE_DEPENDENTS)
     head_block = gl.program_id(0)  # the fastest axis: a sequence's head blocks run together and share its rows in L2
     seq = gl.program_id(1)
     split = gl.program_id(2)

@@ -227,6 +227,15 @@ def _consumer(Q, Out, Lse, K_scale, V_scale, k_smem, v_smem, v16_smem, p_smem, r
 
 
 @gluon.jit
+def release_dependents(RELEASE: gl.constexpr):
+    """RELEASE: let the split combine, launched by programmatic dependent launch, start once every program of this
+    grid has started (sm_90+; it waits for this grid's results itself), as the Triton decode kernels do."""
+    if RELEASE:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """(ready, empty): an mbarrier per ring stage for each direction, one arrival each."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -280,16 +289,18 @@ def gluon_paged_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_splits,
     GROUP: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-    RESCALE_THRESHOLD: gl.constexpr = 0.0,
+    RESCALE_THRESHOLD: gl.constexpr = 0.0, RELEASE_DEPENDENTS: gl.constexpr = False,
 ):
     """Grid (batch, num_kv_heads, num_splits), 4 warps (+ 1 producer warp). k_desc/v_desc: TMA descriptors over the
     caches viewed as (blocks * PAGE, Hkv * D) with boxes [min(PAGE, BLOCK_N), D]. Out (splits, tokens, heads, D)
     and Lse (splits, tokens, heads), float32 (or Out in q's dtype with one split), as `paged_attention_kernel`
-    writes them. FP8 caches: K_scale/V_scale float32 (num_kv_heads,). RESCALE_THRESHOLD: see `_attend_tile`."""
+    writes them. FP8 caches: K_scale/V_scale float32 (num_kv_heads,). RESCALE_THRESHOLD: see `_attend_tile`.
+    RELEASE_DEPENDENTS: see `release_dependents`."""
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     cache_dtype: gl.constexpr = k_desc.dtype
     ring_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], cache_dtype)
 
+    release_dependents(RELEASE_DEPENDENTS)
     seq = gl.program_id(0)
     kv_head = gl.program_id(1)
     split = gl.program_id(2)

@@ -72,9 +72,10 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
 
 
 def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim: int, scale: float,
-                     splits: int, config) -> None:
+                     splits: int, config, release_dependents: bool = False) -> None:
     """One launch over grid (cdiv(heads, config.block_h), batch, splits), writing the Triton kernel's partials (or
-    the output): 16 heads per program on mma.sync, or 64 on wgmma."""
+    the output): 16 heads per program on mma.sync, or 64 on wgmma; release_dependents: the split combine follows by
+    programmatic dependent launch."""
     from ioattn.kernels import gluon_mla
 
     batch, num_heads, _ = q.shape
@@ -88,5 +89,6 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide, OVERLAP=config.overlap,
+        RELEASE_DEPENDENTS=release_dependents,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

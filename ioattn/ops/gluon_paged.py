@@ -86,8 +86,9 @@ def cache_descriptor(cache: torch.Tensor, rows: int, width: int | None = None):
 
 
 def launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_scale, v_scale,
-                        scale: float, splits: int, config) -> None:
-    """One launch over grid (batch, num_kv_heads, splits), writing the Triton kernel's partials (or the output)."""
+                        scale: float, splits: int, config, release_dependents: bool = False) -> None:
+    """One launch over grid (batch, num_kv_heads, splits), writing the Triton kernel's partials (or the output);
+    release_dependents: the split combine follows by programmatic dependent launch."""
     from ioattn.kernels.gluon_paged import gluon_paged_decode_kernel
 
     batch, num_heads, _ = q.shape
@@ -102,5 +103,6 @@ def launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, pa
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), splits,
         GROUP=num_heads // num_kv_heads, BLOCK_N=config.block_n, PAGE=k_cache.shape[1], STAGES=config.num_stages,
-        RESCALE_THRESHOLD=float(config.rescale_threshold), num_warps=config.num_warps, maxnreg=config.maxnreg,
+        RESCALE_THRESHOLD=float(config.rescale_threshold), RELEASE_DEPENDENTS=release_dependents,
+        num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

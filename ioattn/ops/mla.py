@@ -206,8 +206,7 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    dependent = (num_splits > 1 and dependent_combine is not False and config.kernel == "triton"
-                 and _dependent_launch_supported(q.device))  # the Gluon kernel does not release its dependents
+    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return MLAPlan(config, num_splits, block_h, tokens, q_tiles, head_blocks, dependent, reason=why)
 
 
@@ -365,9 +364,10 @@ def mla_paged_attention(
     if cfg.kernel == "gluon":  # the plan checked that it can take this call
         from ioattn.ops.gluon_mla import launch_gluon_mla
 
-        launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim, scale, splits, cfg)
+        launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim, scale, splits, cfg,
+                         plan.dependent_combine)
         if splits > 1:
-            combine_splits(part_out, part_lse, out, lse, False)
+            combine_splits(part_out, part_lse, out, lse, plan.dependent_combine)
         return (out, lse) if return_lse else out
     rope = latent_cache.shape[3] - v_head_dim
     grid = (batch * plan.q_tiles_per_seq, plan.head_blocks, splits)

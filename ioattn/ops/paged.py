@@ -318,9 +318,7 @@ def plan_paged_attention(q, k_cache, block_table, *, decode: bool, max_seqlen_q:
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
-    # the Gluon kernel does not release its dependents early: its combine runs in stream order
-    dependent = (num_splits > 1 and dependent_combine is not False and config.kernel == "triton"
-                 and _dependent_launch_supported(q.device))
+    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return PagedPlan(config, num_splits, rows, tokens, q_tiles, False, why, dependent,
                      kv_cache=describe_cache(k_cache, "triton", False, fp16_dots(q)))
 
@@ -489,9 +487,9 @@ def paged_attention(
         from ioattn.ops.gluon_paged import launch_gluon_decode
 
         launch_gluon_decode(q, k_cache, v_cache, block_table, seq_lens, part_out, part_lse, k_scale, v_scale, scale,
-                            splits, cfg)
+                            splits, cfg, plan.dependent_combine)
         if splits > 1:
-            combine_splits(part_out, part_lse, out, lse, False)
+            combine_splits(part_out, part_lse, out, lse, plan.dependent_combine)
         return (out, lse) if return_lse else out
     grid = (batch * plan.q_tiles_per_seq, num_kv_heads, splits)
     paged_attention_kernel[grid](

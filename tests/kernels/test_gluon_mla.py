@@ -16,20 +16,21 @@ import json
 import pytest
 import torch
 from sm90_builds import build_records
-from test_gluon_paged import replay_with_new_lengths_and_tables
+from test_gluon_paged import dependent_combine_matches_the_ordered_one, replay_with_new_lengths_and_tables
 from test_mla import latent_pool, reference, run_case
 
-from ioattn.ops.mla import GLUON_MLA_DEFAULTS, MLAConfig, explain_mla, mla_paged_attention
+from ioattn.ops.mla import GLUON_MLA_DEFAULTS, MLAConfig, explain_mla, mla_paged_attention, mla_workspace
 from ioattn.reference import TOLERANCE, lse_error, rel_error
 
 _AOT_SCRIPT = """
 import json, sys
 import aot
 for block_n, stages, page, maxnreg, cache, wide, overlap in json.loads(sys.argv[1]):
-    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, overlap=overlap)
+    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, overlap=overlap, release=wide)
     ptx = kernel.asm["ptx"]
     print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, overlap], cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
+                          release=ptx.count("griddepcontrol.launch_dependents"),
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
                           mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"))))
 """
@@ -63,6 +64,7 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
         assert stack <= cases[tuple(b["case"])] and "LOCAL:0 " in b["resources"], b
         assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
         assert b["shared"] <= 227 * 1024, b
+        assert b["release"] == int(b["case"][5]), b  # the wide builds let the split combine start early
 
 
 def test_kernel_field_is_checked():
@@ -235,6 +237,26 @@ def test_rising_scores_take_the_conditional_rescale_on_gpu():
                                        config=GLUON[config], return_lse=True)
         assert rel_error(out, ref) < TOLERANCE[torch.bfloat16], (config, splits)
         assert lse_error(lse, ref_lse.t()) < 1e-2, (config, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["default", "overlap"])
+def test_dependent_combine_after_the_gluon_kernel_on_gpu(config):
+    seq_lens = [900, 40, 0, 333]
+    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    heads = 16 if config == "default" else 128
+    q = torch.randn(len(seq_lens), heads, 576, dtype=torch.bfloat16, device="cuda")
+    workspace = mla_workspace(len(seq_lens), heads, 512, max_splits=8, device="cuda")
+
+    def call(dependent, out):
+        return mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.07, out=out, num_splits=5,
+                                   workspace=workspace, config=GLUON[config], dependent_combine=dependent,
+                                   validate=False)
+
+    dependent_combine_matches_the_ordered_one(call)
+    ref, _ = reference(q, cache, table, seq_lens, [1] * len(seq_lens), 512, 0.07)
+    assert rel_error(call(True, None), ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -20,16 +20,17 @@ from test_paged import run_case as run_16_bit
 from test_paged_fp8 import FORMATS, fp8_pool, reference
 from test_paged_fp8 import run_case as run_fp8
 
-from ioattn.ops.paged import PagedConfig, explain_paged, paged_attention
+from ioattn.ops.paged import PagedConfig, explain_paged, paged_attention, paged_workspace
 from ioattn.reference import TOLERANCE, lse_error, rel_error
 
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for cache, head_dim, block_n, stages, maxnreg, threshold in json.loads(sys.argv[1]):
-    kernel = aot.gluon_paged_kernel(cache, head_dim, block_n, stages, maxnreg, threshold=threshold)
+for cache, head_dim, block_n, stages, maxnreg, threshold, release in json.loads(sys.argv[1]):
+    kernel = aot.gluon_paged_kernel(cache, head_dim, block_n, stages, maxnreg, threshold=threshold, release=release)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[cache, head_dim, block_n, stages, maxnreg, threshold],
+    print(json.dumps(dict(case=[cache, head_dim, block_n, stages, maxnreg, threshold, release],
+                          release=ptx.count("griddepcontrol.launch_dependents"),
                           cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
@@ -41,10 +42,11 @@ GLUON = dict(fp8=PagedConfig(block_m=16, block_n=32, num_stages=4, maxnreg=80, k
 
 
 def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
-    cases = [["e4m3", 128, 64, 2, 96, 0], ["bf16", 128, 64, 2, 96, 0],  # the defaults without conditional rescale
-             ["e4m3", 128, 64, 2, 96, 8], ["bf16", 128, 64, 2, 96, 8],  # the defaults at head dim 128
-             ["e4m3", 128, 32, 4, 80, 0], ["e5m2", 128, 32, 4, 80, 0], ["e4m3", 64, 64, 4, 80, 0],
-             ["e4m3", 256, 32, 2, 128, 0], ["bf16", 256, 32, 2, 128, 0]]
+    # the last field: the build lets a dependent launch (the split combine) start early
+    cases = [["e4m3", 128, 64, 2, 96, 0, False], ["bf16", 128, 64, 2, 96, 0, False],  # without conditional rescale
+             ["e4m3", 128, 64, 2, 96, 8, True], ["bf16", 128, 64, 2, 96, 8, True],  # the defaults at head dim 128
+             ["e4m3", 128, 32, 4, 80, 0, False], ["e5m2", 128, 32, 4, 80, 0, False], ["e4m3", 64, 64, 4, 80, 0, False],
+             ["e4m3", 256, 32, 2, 128, 0, False], ["bf16", 256, 32, 2, 128, 0, False]]
     builds = build_records(_AOT_SCRIPT, json.dumps(cases))
     assert [b["case"] for b in builds] == cases
     for b in builds:
@@ -54,6 +56,7 @@ def test_aot_build_for_sm90_is_warp_specialized_tma_and_spills_nothing():
         assert stack <= (32 if b["case"] == cases[0] else 0) and "LOCAL:0 " in b["resources"], b
         assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
         assert b["shared"] <= 227 * 1024, b
+        assert b["release"] == int(b["case"][-1]), b
 
 
 def test_kernel_and_threshold_fields_are_checked():
@@ -273,6 +276,42 @@ def replay_with_new_lengths_and_tables(step, lens, table, q, out) -> list[int]:
     out.fill_(float("nan"))
     graph.replay()
     return new_lens
+
+
+def dependent_combine_matches_the_ordered_one(call) -> None:
+    """call(dependent_combine, out) runs a split decode into out: the combine launched by programmatic dependent
+    launch after the Gluon kernel gives the same bits as one launched in stream order, eagerly and from a graph."""
+    results = []
+    for dependent in (True, False):
+        eager = torch.full_like(call(dependent, None), float("nan"))
+        call(dependent, eager)
+        replayed = torch.full_like(eager, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call(dependent, replayed)
+        graph.replay()
+        torch.cuda.synchronize()
+        results += [eager, replayed]
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.gpu
+def test_dependent_combine_after_the_gluon_decode_on_gpu():
+    seq_lens = [900, 40, 0, 333]
+    k_cache, v_cache, table, k_scale, v_scale = fp8_pool(seq_lens, page=16, kv_heads=8, head_dim=128,
+                                                         fp8=torch.float8_e4m3fn, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(seq_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+    workspace = paged_workspace(len(seq_lens), 32, 128, max_splits=8, device="cuda")
+
+    def call(dependent, out):
+        return paged_attention(q, k_cache, v_cache, table, lens, out=out, k_scale=k_scale, v_scale=v_scale,
+                               num_splits=5, workspace=workspace, config=GLUON["wide"], dependent_combine=dependent,
+                               validate=False)
+
+    dependent_combine_matches_the_ordered_one(call)
+    ref, _ = reference(q, k_cache, v_cache, table, seq_lens, [1] * len(seq_lens), k_scale, v_scale)
+    assert rel_error(call(True, None), ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu
