@@ -156,7 +156,8 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages)
     constexprs = dict(LEFT=window, RIGHT=causal or window, BLOCK_N=block_n, STAGES=stages,
                       RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen)
+                      PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen,
+                      BAND=cfg.band)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

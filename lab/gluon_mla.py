@@ -8,7 +8,8 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
 
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
-                             (a leading w: 64 heads per program on wgmma; wo: with its overlapped loop)
+                             (a leading w: 64 heads per program on wgmma; wo: with its overlapped loop; a
+                             trailing /ordered: the split combine in stream order, not by dependent launch)
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
 
@@ -34,16 +35,19 @@ SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ.get(
 
 
 def variants(heads: int) -> list:
-    """(name, config) of the Triton default and each Gluon variant of GLUON_MLA."""
-    out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True))]
+    """(name, config, dependent_combine) of the Triton default and each Gluon variant of GLUON_MLA."""
+    out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True), None)]
     for item in GLUON_MLA.split():
         wide = item.startswith("w")  # 64 heads per program on wgmma, 8 warps
         overlap = item.startswith("wo")  # ... with the next tile's S and the softmax under P·V
-        n, s, r, p = map(int, item.lstrip("wo").split("/"))
+        fields = item.lstrip("wo").split("/")
+        ordered = fields[4:] == ["ordered"]
+        n, s, r, p = map(int, fields[:4])
         h, w = (64, 8) if wide else (16, 4)
-        out.append((f"gluon{'-wgmma' if wide else ''}{'-overlap' if overlap else ''} n{n} s{s} r{r} p{p}", MLAConfig(
+        name = f"gluon{'-wgmma' if wide else ''}{'-overlap' if overlap else ''} n{n} s{s} r{r} p{p}"
+        out.append((name + (" ordered" if ordered else ""), MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon", overlap=overlap)))
+            kernel="gluon", overlap=overlap), False if ordered else None))
     return out
 
 
@@ -65,10 +69,10 @@ def main() -> None:
             pool, table = latent_pool(latent, 64)
             del latent, first
             layers = layer_count(case, args)
-            for name, config in variants(heads):
+            for name, config, dependent in variants(heads):
                 row = {"H": heads, "B": batch, "L": length, "kernel": name}
                 try:
-                    forward, _, plan = ioattn_runner(q, pool, table, lens, args, layers, config, 0)
+                    forward, _, plan = ioattn_runner(q, pool, table, lens, args, layers, config, 0, dependent)
                     timed = _time(forward, ref, args, layers)
                     row.update(us=timed["ms"] * 1e3, tbps=case.bytes / (timed["ms"] * 1e-3) / 1e12,
                                error=timed["error"], splits=plan.num_splits, used=timed["how"])

@@ -159,10 +159,12 @@ def latent_pool(latent: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return pool, table
 
 
-def ioattn_runner(q, pool, table, lens, args, layers: int, config=None, num_splits=None):
-    """(forward, out, plan): forward() runs mla_paged_attention over `layers` copies of the pool into `out`."""
+def ioattn_runner(q, pool, table, lens, args, layers: int, config=None, num_splits=None, dependent_combine=None):
+    """(forward, out, plan): forward() runs mla_paged_attention over `layers` copies of the pool into `out`
+    (dependent_combine as mla_paged_attention takes it)."""
     kwargs = dict(v_head_dim=LATENT_DIM, softmax_scale=SOFTMAX_SCALE, backend=args.mla_backend, config=config,
-                  num_splits=args.num_splits if num_splits is None else num_splits)
+                  num_splits=args.num_splits if num_splits is None else num_splits,
+                  dependent_combine=dependent_combine)
     plan = explain_mla(q, pool, table, lens, **kwargs)
     splits = getattr(plan, "num_splits", 0)
     workspace = mla_workspace(q.shape[0], q.shape[1], LATENT_DIM, **({"max_splits": splits} if splits else {}),

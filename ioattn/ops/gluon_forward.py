@@ -34,6 +34,9 @@ class GluonConfig:
     rescale_threshold: float = 0.0
     pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
     persistent: bool = True  # one program per SM walks the work tiles (else one program per work tile)
+    # the work tiles' order: bands of this many query blocks, each (batch, head)'s next to each other (the kernel's
+    # _tile_coords); 1: every (batch, head) of one query block before the next
+    band: int = 16
 
 
 # Shared memory per program: 2 Q tiles + stages x (K + V) tiles, under the 227 KB an sm_90 block may take.
@@ -216,7 +219,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
-        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
+        PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True, BAND=cfg.band,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -263,8 +266,8 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0), scale * LOG2E,
         LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
-        PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+        PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
+        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -299,6 +302,6 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
-        stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, num_warps=cfg.num_warps,
+        stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, num_warps=cfg.num_warps,
         maxnreg=cfg.maxnreg,
     )
