@@ -207,11 +207,10 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
     return triton.compile(src, target=TARGET, options=dict(num_warps=4, maxnreg=maxnreg))
 
 
-def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False, overlap=False,
-                     release=False):
+def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False, release=False):
     """The Gluon MLA decode (`MLAConfig(kernel="gluon")`) for DeepSeek-V3's latent 512 + rope 64: TMA boxes of
-    min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps); overlap: its pipelined loop;
-    release: it lets a dependent launch (the split combine) start early."""
+    min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps); release: it lets a dependent
+    launch (the split combine) start early."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -226,8 +225,7 @@ def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", 
     types = {n: "i32" for n in kernel.arg_names}
     types.update(descs, Q=f"*{name}", Block_table="*i32", Seq_lens="*i32", Out="*fp32", Lse="*fp32",
                  scale_log2="fp32")
-    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, OVERLAP=overlap,
-                      RELEASE_DEPENDENTS=release)
+    constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, RELEASE_DEPENDENTS=release)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
     sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},

@@ -8,8 +8,8 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
 
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
-                             (a leading w: 64 heads per program on wgmma; wo: with its overlapped loop; a
-                             trailing /ordered: the split combine in stream order, not by dependent launch)
+                             (a leading w: 64 heads per program on wgmma; a trailing /ordered: the split
+                             combine in stream order, not by dependent launch)
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
 
@@ -39,15 +39,14 @@ def variants(heads: int) -> list:
     out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True), None)]
     for item in GLUON_MLA.split():
         wide = item.startswith("w")  # 64 heads per program on wgmma, 8 warps
-        overlap = item.startswith("wo")  # ... with the next tile's S and the softmax under P·V
-        fields = item.lstrip("wo").split("/")
+        fields = item.lstrip("w").split("/")
         ordered = fields[4:] == ["ordered"]
         n, s, r, p = map(int, fields[:4])
         h, w = (64, 8) if wide else (16, 4)
-        name = f"gluon{'-wgmma' if wide else ''}{'-overlap' if overlap else ''} n{n} s{s} r{r} p{p}"
+        name = f"gluon{'-wgmma' if wide else ''} n{n} s{s} r{r} p{p}"
         out.append((name + (" ordered" if ordered else ""), MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon", overlap=overlap), False if ordered else None))
+            kernel="gluon"), False if ordered else None))
     return out
 
 

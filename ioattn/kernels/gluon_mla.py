@@ -202,93 +202,10 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
 
 
 @gluon.jit
-def _wide_softmax(s, m_i, l_tile):
-    """One tile of the 64-head online softmax (base 2, S already scaled): P, the new running max and row sums
-    (kept per key column), and alpha, the factor that brings O onto the new max."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
-    alpha = gl.exp2(m_i - m_safe)
-    p = gl.exp2(s - m_safe[:, None])
-    return p, m_new, l_tile * alpha[:, None] + p, alpha
-
-
-@gluon.jit
-def _wide_scores(q_lat, q_rope, lat_smem, rope_smem, ready, j, s_layout: gl.constexpr):
-    """Issue S = Q·Kᵀ of ring tile j (latent and RoPE parts) as async wgmmas once the tile has landed."""
-    STAGES: gl.constexpr = lat_smem.shape[0]
-    BLOCK_N: gl.constexpr = lat_smem.shape[1]
-    stage = j % STAGES
-    mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
-    s = warpgroup_mma(q_lat, lat_smem.index(stage).permute((1, 0)),
-                      gl.zeros([WIDE_HEADS, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
-    return warpgroup_mma(q_rope, rope_smem.index(stage).permute((1, 0)), s, is_async=True)
-
-
-@gluon.jit
-def _wide_mask(s, lat, tile, seq_len, s_layout: gl.constexpr):
-    """The last tile, partly past seq_len: its stale keys masked in S and their rows zeroed before P·V reads them
-    (the other warpgroup's S may still read them: it masks them too)."""
-    BLOCK_N: gl.constexpr = lat.shape[0]
-    keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    _zero_stale_rows(lat, tile, seq_len)
-    return gl.where(keys[None, :] < seq_len, s, float("-inf"))
-
-
-@gluon.jit
-def _wide_pv(acc, alpha, p, p_smem, lat, o_layout: gl.constexpr):
-    """O = alpha·O + P·V issued as an async wgmma: P to shared memory, visible to both warpgroups first."""
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # both warpgroups' halves of P (and a masked tile's zeroed rows) are written
-    return warpgroup_mma(p_smem, lat, acc, is_async=True)
-
-
-@gluon.jit
-def _wide_release(acc, empty, j):
-    """Wait for tile j's P·V, then give its stage back once both warpgroups are done with it and with P (one
-    arrival for the partition: the barrier makes it stand for both)."""
-    STAGES: gl.constexpr = empty.shape[0]
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index(j % STAGES), count=1)
-    return acc
-
-
-@gluon.jit
-def _wide_overlapped(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, lo, full_hi, hi,
-                     seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Tiles lo..hi with FA3's intra-warpgroup overlap: S of tile j + 1 is issued before P·V of tile j, and its
-    softmax runs while P·V is still in the tensor cores; O is rescaled while S runs. Tiles from full_hi on (the
-    last, partly past seq_len) are masked."""
-    STAGES: gl.constexpr = lat_smem.shape[0]
-    n = hi - lo
-    n_full = full_hi - lo
-    if n > 0:
-        s = warpgroup_mma_wait(0, deps=[_wide_scores(q_lat, q_rope, lat_smem, rope_smem, ready, 0, s_layout)])
-        s = s * scale_log2
-        if n_full == 0:
-            s = _wide_mask(s, lat_smem.index(0), lo, seq_len, s_layout)
-        p, m_i, l_tile, alpha = _wide_softmax(s, m_i, l_tile)
-        for j in range(1, n):
-            s = _wide_scores(q_lat, q_rope, lat_smem, rope_smem, ready, j, s_layout)
-            acc = _wide_pv(acc, alpha, p, p_smem, lat_smem.index((j - 1) % STAGES), o_layout)
-            s = warpgroup_mma_wait(1, deps=[s]) * scale_log2  # S is the older group: P·V may still run
-            if j >= n_full:  # uniform: only the last tile may reach past seq_len
-                s = _wide_mask(s, lat_smem.index(j % STAGES), lo + j, seq_len, s_layout)
-            p, m_i, l_tile, alpha = _wide_softmax(s, m_i, l_tile)
-            acc = _wide_release(acc, empty, j - 1)
-        acc = _wide_pv(acc, alpha, p, p_smem, lat_smem.index((n - 1) % STAGES), o_layout)
-        acc = _wide_release(acc, empty, n - 1)
-    return acc, m_i, l_tile
-
-
-@gluon.jit
 def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
                    seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                   stride_lt, stride_lh, scale_log2, OVERLAP: gl.constexpr):
-    """The 64-head consumer (two warpgroups): it moves the running max every tile; OVERLAP pipelines the tiles
-    (`_wide_overlapped`), else each tile's S, softmax and P·V run in turn."""
+                   stride_lt, stride_lh, scale_log2):
+    """The 64-head consumer (two warpgroups): it moves the running max every tile."""
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -305,16 +222,12 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
     l_tile = gl.zeros([WIDE_HEADS, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([WIDE_HEADS, LATENT], gl.float32, o_layout)
     full_hi = gl.maximum(gl.minimum(hi, seq_len // BLOCK_N), lo)
-    if OVERLAP:
-        acc, m_i, l_tile = _wide_overlapped(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready,
-                                            empty, lo, full_hi, hi, seq_len, scale_log2, s_layout, o_layout)
-    else:
-        for tile in range(lo, full_hi):
-            acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                          tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, False)
-        for tile in range(full_hi, hi):  # the last tile, partly past seq_len
-            acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                          tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
+    for tile in range(lo, full_hi):
+        acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                      tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, False)
+    for tile in range(full_hi, hi):  # the last tile, partly past seq_len
+        acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                      tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
     store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
@@ -328,14 +241,13 @@ def gluon_mla_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-    OVERLAP: gl.constexpr = False, RELEASE_DEPENDENTS: gl.constexpr = False,
+    RELEASE_DEPENDENTS: gl.constexpr = False,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
     viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N), LATENT] and [min(PAGE, BLOCK_N),
     ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
-    float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. OVERLAP (WIDE only):
-    the next tile's S and the softmax run under P·V (`_wide_overlapped`). RELEASE_DEPENDENTS: see
+    float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. RELEASE_DEPENDENTS: see
     `gluon_paged.release_dependents`."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
@@ -360,15 +272,12 @@ def gluon_mla_decode_kernel(
                                                                                                      dtype))
     ready, empty = ring_barriers(STAGES)
     table_row = Block_table + seq.to(gl.int64) * stride_table
-    # (a tuple held in a variable loses its constexprs: those with constexprs stay written out)
+    # (a tuple held in a variable loses its constexprs: the producer's stay written out)
     consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
                      seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                      stride_lt, stride_lh, scale_log2)
     if WIDE:
-        gl.warp_specialize([(_wide_consumer, (
-            Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len, lo,
-            hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-            scale_log2, OVERLAP)), (_producer, (
+        gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
             lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
             [1], [PRODUCER_REGS])
     else:

@@ -2,7 +2,7 @@
 
 It takes what the Triton MLA kernel's decode takes except float32, latents that are not a multiple of 64 up to
 512, RoPE parts other than 64 and pages under 16 slots. `MLAConfig(block_h=16, num_warps=4)` runs 16 heads per
-program on mma.sync, `MLAConfig(block_h=64, num_warps=8)` 64 on wgmma (two warpgroups; `overlap=True` pipelines its tiles); `gluon_mla_unsupported` names the first argument it
+program on mma.sync, `MLAConfig(block_h=64, num_warps=8)` 64 on wgmma (two warpgroups); `gluon_mla_unsupported` names the first argument it
 cannot take, `gluon_mla_config_unsupported` the first field of a config it cannot build.
 """
 
@@ -88,7 +88,7 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
-        BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide, OVERLAP=config.overlap,
+        BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
         RELEASE_DEPENDENTS=release_dependents,
         num_warps=config.num_warps, maxnreg=config.maxnreg,
     )

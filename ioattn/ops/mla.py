@@ -53,15 +53,11 @@ class MLAConfig:
     maxnreg: int | None = None
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
-    overlap: bool = False  # gluon, 64 heads on wgmma: the next tile's S and the softmax run under P·V (FA3's overlap)
 
     def __post_init__(self):
         check_launch_config(self)
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"MLAConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
-        if self.overlap and (self.kernel, self.block_h) != ("gluon", 64):
-            raise ValueError("MLAConfig.overlap is the Gluon wgmma decode's pipelined loop: it needs kernel='gluon' "
-                             f"and block_h=64, got kernel={self.kernel!r}, block_h={self.block_h}")
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:
@@ -125,15 +121,12 @@ def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
 def gluon_candidate_configs(num_heads: int, v_head_dim: int = 512) -> list[MLAConfig]:
     """The Gluon MLA decode's configurations worth timing on sm_90 (`launch_gluon_mla` refuses them elsewhere):
     16 heads per program on mma.sync, and from 64 heads 64 per program on wgmma; 32- or 64-key tiles, 2-4
-    stages where shared memory holds them, registers uncapped or (16 heads) capped at 128; the wgmma kernel with
-    and without its overlapped loop."""
+    stages where shared memory holds them, registers uncapped or (16 heads) capped at 128."""
     from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
 
-    shapes = [(16, 4, None, False), (16, 4, 128, False)]
-    if num_heads >= 64:
-        shapes += [(64, 8, None, False), (64, 8, None, True)]
-    configs = [MLAConfig(block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r, kernel="gluon",
-                         overlap=o) for h, w, r, o in shapes for n in (32, 64) for s in (2, 3, 4)]
+    shapes = [(16, 4, None), (16, 4, 128)] + ([(64, 8, None)] if num_heads >= 64 else [])
+    configs = [MLAConfig(block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r, kernel="gluon")
+               for h, w, r in shapes for n in (32, 64) for s in (2, 3, 4)]
     return [c for c in configs if gluon_mla_config_unsupported(c, v_head_dim) is None]
 
 
@@ -157,8 +150,7 @@ class MLAPlan:
                     + (f" ({self.reason})" if self.reason else ""))
         cfg = self.config
         name = (f"gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, "
-                f"{'wgmma' if cfg.block_h == 64 else 'mma.sync'}{', S and softmax under P·V' if cfg.overlap else ''})"
-                if cfg.kernel == "gluon" else "mla_attention_kernel")
+                f"{'wgmma' if cfg.block_h == 64 else 'mma.sync'})" if cfg.kernel == "gluon" else "mla_attention_kernel")
         launch = (f"{name} BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
                   f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
                   + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))
