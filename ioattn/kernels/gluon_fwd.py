@@ -36,7 +36,7 @@ sliding windows are aligned bottom-right (query i sees keys i + Nk - Nq - window
 window_right; causal is window_right 0): a work tile loads only the K/V tiles its rows may see. Rows that see no
 key get O = 0 and LSE = -inf. Scores are masked only on K/V tiles that cross a window edge or the end of K. Work
 tiles run longest-first by bands of query blocks (`_tile_coords`): the last query tiles, which see the most keys
-under causal, come first, and the tiles running at once share a few heads' K/V.
+under causal, come first; with bands of several blocks the tiles running at once share a few heads' K/V.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr, BAN
     """Work tile -> (batch, head, first query row). The query blocks go in bands of BAND from the last down (causal:
     the longest first); within a band, every (batch, head) in turn, each with its band's blocks next to each other,
     so the ~one tile per SM that run at once read the K/V of a few heads together (L2 hits; heads of one KV group
-    are neighbours). BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.63x cuDNN
+    are neighbours). BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.64x cuDNN
     at N 2k on an H100 (bench/results/2026-12-06-gluon-fwd-persistent-h100)."""
     band_tiles = BAND * batch_heads
     band = tile // band_tiles
@@ -466,7 +466,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
                      scale_block=1, scale_blocks_q=1, scale_blocks_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
-                     BAND: gl.constexpr = 16):
+                     BAND: gl.constexpr = 1):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
