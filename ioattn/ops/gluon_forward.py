@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ioattn.ops.capability import HOPPER_SHARED_MEMORY, SIXTEEN_BIT
+from ioattn.ops.launch_config import check_launch_config
 
 BLOCK_M = 64  # query rows per consumer warpgroup: the wgmma atom (see the kernel's docstring)
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned bases and strides
@@ -38,6 +39,11 @@ class GluonConfig:
     # _tile_coords); 1, the order its GPU tests passed with: every (batch, head) of one query block before the next.
     # 16 lets the running tiles share K/V in L2 (0.64x cuDNN at D128 N2k with 1 on an H100); not yet run on a GPU
     band: int = 1
+
+    def __post_init__(self):
+        check_launch_config(self)
+        if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 1:
+            raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
 
 # Shared memory per program: 2 Q tiles + stages x (K + V) tiles, under the 227 KB an sm_90 block may take.

@@ -9,6 +9,7 @@ with NaN before every call.
 from __future__ import annotations
 
 import dataclasses
+import re
 import itertools
 import json
 import math
@@ -31,6 +32,20 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
                           setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"),
                           wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), loops=aot.matmul_loops(kernel))))
 """
+
+@pytest.mark.parametrize("change, why", [
+    (dict(band=0), "GluonConfig.band must be an int >= 1"),
+    (dict(band=2.0), "GluonConfig.band must be an int >= 1"),
+    (dict(band=True), "GluonConfig.band must be an int >= 1"),
+    (dict(block_n=96), "GluonConfig.block_n must be a power of two in 16..256"),
+    (dict(num_warps=3), "GluonConfig.num_warps must be 1, 2, 4, 8 or 16"),
+    (dict(maxnreg=300), "GluonConfig.maxnreg must be an int in 32..255"),
+    (dict(persistent=1), "GluonConfig.persistent must be a bool"),
+])
+def test_config_fields_are_checked_when_built(change, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        dataclasses.replace(gluon_config(128), **change)
+
 
 
 def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
