@@ -42,7 +42,16 @@ class GluonConfig:
 
     def __post_init__(self):
         check_launch_config(self)
-        if isinstance(self.band, bool) or not isinstance(self.band, int) or self.band < 1:
+        def whole(value):
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not (whole(self.stages) and 2 <= self.stages <= 8):  # ping-pong and the P·V lag need two stages
+            raise ValueError(f"GluonConfig.stages must be an int in 2..8, got {self.stages!r}")
+        for name in ("consumer_regs", "producer_regs"):  # setmaxnreg takes multiples of 8 in 24..256
+            value = getattr(self, name)
+            if not (whole(value) and 24 <= value <= 256 and value % 8 == 0):
+                raise ValueError(f"GluonConfig.{name} must be a multiple of 8 in 24..256, got {value!r}")
+        if not (whole(self.band) and self.band >= 1):
             raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
 

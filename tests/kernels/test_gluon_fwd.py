@@ -41,6 +41,9 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
     (dict(num_warps=3), "GluonConfig.num_warps must be 1, 2, 4, 8 or 16"),
     (dict(maxnreg=300), "GluonConfig.maxnreg must be an int in 32..255"),
     (dict(persistent=1), "GluonConfig.persistent must be a bool"),
+    (dict(stages=1), "GluonConfig.stages must be an int in 2..8"),
+    (dict(consumer_regs=250), "GluonConfig.consumer_regs must be a multiple of 8 in 24..256"),
+    (dict(producer_regs=16), "GluonConfig.producer_regs must be a multiple of 8 in 24..256"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
