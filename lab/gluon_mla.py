@@ -8,7 +8,8 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
 
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
-                             (a leading w: 64 heads per program on wgmma; a trailing /ordered: the split
+                             (a leading w: 64 heads per program on wgmma, s: the same on the seesaw
+                             schedule; a trailing /ordered: the split
                              combine in stream order, not by dependent launch)
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
@@ -38,15 +39,16 @@ def variants(heads: int) -> list:
     """(name, config, dependent_combine) of the Triton default and each Gluon variant of GLUON_MLA."""
     out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True), None)]
     for item in GLUON_MLA.split():
-        wide = item.startswith("w")  # 64 heads per program on wgmma, 8 warps
-        fields = item.lstrip("w").split("/")
+        seesaw = item.startswith("s")  # 64 heads per program, the seesaw schedule
+        wide = seesaw or item.startswith("w")  # 64 heads per program on wgmma, 8 warps
+        fields = item.lstrip("ws").split("/")
         ordered = fields[4:] == ["ordered"]
         n, s, r, p = map(int, fields[:4])
         h, w = (64, 8) if wide else (16, 4)
-        name = f"gluon{'-wgmma' if wide else ''} n{n} s{s} r{r} p{p}"
+        name = f"gluon{'-seesaw' if seesaw else '-wgmma' if wide else ''} n{n} s{s} r{r} p{p}"
         out.append((name + (" ordered" if ordered else ""), MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon"), False if ordered else None))
+            kernel="gluon", seesaw=seesaw), False if ordered else None))
     return out
 
 

@@ -34,8 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ioattn.kernels.gluon_paged import (
-    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_rows, release_dependents, ring_barriers, split_tiles,
-    store_rows,
+    BLOCK_M, PRODUCER_REGS, _page_blocks, _rescale, finish_row_sums, finish_rows, release_dependents, ring_barriers,
+    split_tiles, store_rows,
 )
 
 CHUNK: gl.constexpr = gl.constexpr(64)  # columns per S step: one 128-byte swizzle row of a 16-bit tile
@@ -234,6 +234,363 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
 
 
+# --- seesaw: 64 heads, the two warpgroups on two tiles at once (the compute-bound shapes) -------------------------
+#
+# O (64 x LATENT float32) fills one warpgroup's registers twice over, so it is split by columns: warpgroup 0 holds
+# O's left half, warpgroup 1 its right half. Each pair of 64-key tiles (ring stages 0 and 1) runs as
+#   [0] S0 = Q·K0ᵀ, m0 = max(m, rowmax S0) -> [1]; P0 = exp2(S0 - m0); O_L = O_L·exp2(m - m0) + P0·V0_L
+#   [1] S1 = Q·K1ᵀ, m1 = max(m0, rowmax S1) -> [0] with P1 = exp2(S1 - m1); O_R = O_R·exp2(m - m1) + P1·V1_R
+#   [0] P0 ·= exp2(m0 - m1) -> [1]; O_L = O_L·exp2(m0 - m1) + P1·V1_L        [1] O_R += P0·V0_R
+# (FlashMLA's "seesaw" schedule): one warpgroup's softmax runs while the other's wgmmas hold the tensor cores, S is
+# a full 64 x 64 wgmma (the lockstep kernel's 64 x 32 halves read Q from shared memory twice as often), and the
+# running max is exchanged as one row vector per step instead of reduced across both warpgroups. P0 and P1 go
+# through the RoPE part of their own stage (read by S before, reloaded only after both halves of P·V).
+# Each stage is released in two halves as soon as their readers are done, so the next pair's loads start early:
+#   stage 0: LATENT columns of O_L (after [0]'s P0·V0_L), the rest with the RoPE part (after [1]'s P0·V0_R);
+#   stage 1: LATENT columns of O_R (after [1]'s P1·V1_R), the rest with the RoPE part (after [0]'s P1·V1_L);
+# and S reads its stage's early half first. Every 64-column chunk has its own `ready` barrier.
+
+SEESAW_TILE: gl.constexpr = gl.constexpr(64)  # keys per tile (wgmma's M is the 64 heads, its N these keys)
+# setmaxnreg of consumer warpgroup 1 (a worker partition); warpgroup 0, the default partition, gets the same from
+# what the launch has (168 x 384) less the producer's 40
+SEESAW_REGS: gl.constexpr = gl.constexpr(232)
+# the `sync` barriers between the two consumer warpgroups
+SYNC_Q: gl.constexpr = gl.constexpr(0)  # both: Q staged (2 arrivals)
+SYNC_M0: gl.constexpr = gl.constexpr(1)  # [0] -> [1]: m0 in xchg[0]
+SYNC_S1: gl.constexpr = gl.constexpr(2)  # [1] -> [0]: m1 in xchg[1], P1 in stage 1's RoPE slot
+SYNC_P0: gl.constexpr = gl.constexpr(3)  # [0] -> [1]: P0 (rescaled to m1) in stage 0's RoPE slot
+SYNC_L: gl.constexpr = gl.constexpr(4)  # both: row sums in xchg (2 arrivals)
+# the `empty` barriers: (stage, half) as the producer refills them
+EMPTY_EARLY0: gl.constexpr = gl.constexpr(0)  # stage 0, O_L's columns
+EMPTY_EARLY1: gl.constexpr = gl.constexpr(1)  # stage 1, O_R's columns
+EMPTY_LATE0: gl.constexpr = gl.constexpr(2)  # stage 0, O_R's columns + RoPE
+EMPTY_LATE1: gl.constexpr = gl.constexpr(3)  # stage 1, O_L's columns + RoPE
+
+
+@gluon.jit
+def _seesaw_issue(desc, lat, rope, ready, blocks, tile, first: gl.constexpr, count: gl.constexpr,
+                  WITH_ROPE: gl.constexpr, PAGE: gl.constexpr, ids_layout: gl.constexpr):
+    """TMA chunks first .. first + count of tile `tile` (64-column boxes of its pages) into stage `lat` / `rope`,
+    chunk c completing ready[c] (and WITH_ROPE, the RoPE part ready[LATENT // 64])."""
+    CHUNKS: gl.constexpr = lat.shape[1] // CHUNK
+    for c in gl.static_range(first, first + count):
+        _issue_chunk(desc, lat.slice(c * CHUNK, CHUNK, dim=1), ready.index(c), blocks, tile, c * CHUNK, PAGE,
+                     ids_layout)
+    if WITH_ROPE:
+        _issue_chunk(desc, rope, ready.index(CHUNKS), blocks, tile, CHUNKS * CHUNK, PAGE, ids_layout)
+
+
+@gluon.jit
+def _issue_chunk(desc, dst, ready, blocks, tile, column: gl.constexpr, PAGE: gl.constexpr, ids_layout: gl.constexpr):
+    """One 64-column chunk of a tile's rows, page by page, into dst (64 rows), completing `ready`."""
+    ROWS: gl.constexpr = desc.block_type.shape[0]
+    PAGES: gl.constexpr = SEESAW_TILE // ROWS
+    slot = (tile * SEESAW_TILE) % PAGE if PAGE > SEESAW_TILE else 0
+    ids = gl.arange(0, PAGES, layout=ids_layout)
+    mbarrier.expect(ready, PAGES * desc.block_type.nbytes)
+    for p in gl.static_range(PAGES):
+        row = gl.sum(gl.where(ids == p, blocks, 0), 0) * PAGE + slot  # every thread holds all ids
+        tma.async_copy_global_to_shared(desc, [row, column], ready, dst.slice(p * ROWS, ROWS))
+
+
+@gluon.jit
+def _seesaw_producer(desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE: gl.constexpr):
+    """One warp: per pair of tiles, each stage's halves in the order their readers release them (stage 0's early
+    half, stage 1's early half, then the late halves); a last unpaired tile fills stage 0 only."""
+    HALF: gl.constexpr = lat_smem.shape[2] // CHUNK // 2
+    CHUNKS: gl.constexpr = 2 * HALF
+    PAGES: gl.constexpr = (SEESAW_TILE + PAGE - 1) // PAGE
+    ids_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [1], [0])
+    ready0, ready1 = ready
+    pairs = (hi - lo) // 2
+    for k in range(0, pairs):
+        tile = lo + 2 * k
+        free = (k & 1) ^ 1  # a fresh barrier passes the first lap
+        blocks0 = _page_blocks(table_row, tile, seq_len, PAGE, SEESAW_TILE, ids_layout)
+        blocks1 = _page_blocks(table_row, tile + 1, seq_len, PAGE, SEESAW_TILE, ids_layout)
+        mbarrier.wait(empty.index(EMPTY_EARLY0), free)
+        _seesaw_issue(desc, lat_smem.index(0), rope_smem.index(0), ready0, blocks0, tile, 0, HALF, False, PAGE,
+                      ids_layout)
+        mbarrier.wait(empty.index(EMPTY_EARLY1), free)
+        _seesaw_issue(desc, lat_smem.index(1), rope_smem.index(1), ready1, blocks1, tile + 1, HALF, HALF, False,
+                      PAGE, ids_layout)
+        mbarrier.wait(empty.index(EMPTY_LATE0), free)
+        _seesaw_issue(desc, lat_smem.index(0), rope_smem.index(0), ready0, blocks0, tile, HALF, HALF, True, PAGE,
+                      ids_layout)
+        mbarrier.wait(empty.index(EMPTY_LATE1), free)
+        _seesaw_issue(desc, lat_smem.index(1), rope_smem.index(1), ready1, blocks1, tile + 1, 0, HALF, True, PAGE,
+                      ids_layout)
+    for k in range(pairs, (hi - lo + 1) // 2):  # the unpaired last tile
+        tile = lo + 2 * k
+        free = (k & 1) ^ 1
+        blocks0 = _page_blocks(table_row, tile, seq_len, PAGE, SEESAW_TILE, ids_layout)
+        mbarrier.wait(empty.index(EMPTY_EARLY0), free)
+        _seesaw_issue(desc, lat_smem.index(0), rope_smem.index(0), ready0, blocks0, tile, 0, HALF, False, PAGE,
+                      ids_layout)
+        mbarrier.wait(empty.index(EMPTY_LATE0), free)
+        _seesaw_issue(desc, lat_smem.index(0), rope_smem.index(0), ready0, blocks0, tile, HALF, HALF, True, PAGE,
+                      ids_layout)
+
+
+@gluon.jit
+def _seesaw_scores(q_lat, q_rope, lat, rope, ready, phase, FIRST_HALF: gl.constexpr, s_layout: gl.constexpr):
+    """S = Q·Kᵀ of one stage (64 heads x 64 keys, float32), each chunk multiplied once it landed: the chunks of
+    LATENT half FIRST_HALF first (the half released earlier), then the other, then the RoPE part."""
+    CHUNKS: gl.constexpr = lat.shape[1] // CHUNK
+    START: gl.constexpr = FIRST_HALF * (CHUNKS // 2)
+    s = gl.zeros([WIDE_HEADS, SEESAW_TILE], gl.float32, s_layout)
+    for c in gl.static_range(START, CHUNKS):
+        s = _score_chunk(q_lat.slice(c * CHUNK, CHUNK, dim=1), lat.slice(c * CHUNK, CHUNK, dim=1), ready.index(c),
+                         phase, s, c > START)
+    for c in gl.static_range(0, START):
+        s = _score_chunk(q_lat.slice(c * CHUNK, CHUNK, dim=1), lat.slice(c * CHUNK, CHUNK, dim=1), ready.index(c),
+                         phase, s, True)
+    s = _score_chunk(q_rope, rope, ready.index(CHUNKS), phase, s, True)
+    return warpgroup_mma_wait(0, deps=[s])
+
+
+@gluon.jit
+def _score_chunk(q, k, ready, phase, s, USE_ACC: gl.constexpr):
+    """s += q·kᵀ over one 64-column chunk once it landed (asynchronous: the caller waits)."""
+    mbarrier.wait(ready, phase)
+    return warpgroup_mma(q, k.permute((1, 0)), s, use_acc=USE_ACC, is_async=True)
+
+
+@gluon.jit
+def _seesaw_mask(s, lat, tile, seq_len, MASKED: gl.constexpr):
+    """MASKED (a pair holding the last tile): keys at or past seq_len out of S, and their stale rows zeroed in the
+    stage (P·V reads them as V: they may hold anything, NaN included)."""
+    if MASKED:
+        keys = tile * SEESAW_TILE + gl.arange(0, SEESAW_TILE, layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
+        _zero_stale_rows(lat, tile, seq_len)
+    return s
+
+
+@gluon.jit
+def _publish(sync, which: gl.constexpr, ASYNC_READERS: gl.constexpr):
+    """Hand what this warpgroup stored to shared memory to the other one (after a fence when wgmma reads it)."""
+    if ASYNC_READERS:
+        fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(sync.index(which), count=1)
+
+
+@gluon.jit
+def _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k, tile,
+                      seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
+                      PAIRED: gl.constexpr):
+    """Warpgroup 0's part of pair k (tiles `tile`, `tile` + 1; PAIRED: the second exists): O's left half."""
+    CHUNKS: gl.constexpr = lat_smem.shape[2] // CHUNK
+    HALF: gl.constexpr = lat_smem.shape[2] // 2
+    dtype: gl.constexpr = lat_smem.dtype
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    phase = k & 1
+    lat0 = lat_smem.index(0)
+    s = _seesaw_scores(q_lat, q_rope, lat0, rope_smem.index(0), ready[0], phase, 0, s_layout) * scale_log2
+    s = _seesaw_mask(s, lat0, tile, seq_len, MASKED)
+    m0 = gl.maximum(m_i, gl.max(s, 1))
+    xchg[0].store(m0)
+    _publish(sync, SYNC_M0, False)
+    m0_safe = gl.where(m0 == float("-inf"), 0.0, m0)  # a row that has seen nothing yet stays at 0
+    scale0 = gl.exp2(m_i - m0_safe)
+    p0 = gl.exp2(s - m0_safe[:, None])
+    l_i = l_i * scale0 + gl.sum(p0, 1)
+    acc = acc * gl.convert_layout(scale0, o_rows)[:, None]
+    p0 = p0.to(dtype)  # (held as 16 bits until rescaled for [1]: float32 would spill)
+    p0_operand = gl.convert_layout(p0, p_operand)
+    acc = warpgroup_mma(p0_operand, lat0.slice(0, HALF, dim=1), acc, is_async=True)
+    mbarrier.wait(sync.index(SYNC_S1), phase)
+    m1 = xchg[1].load(rows)
+    scale1 = gl.exp2(m0 - gl.where(m1 == float("-inf"), 0.0, m1))
+    acc, _ = warpgroup_mma_wait(0, deps=[acc, p0_operand])
+    mbarrier.arrive(empty.index(EMPTY_EARLY0), count=1)
+    rope_smem.index(0).store((p0.to(gl.float32) * scale1[:, None]).to(dtype))  # P0 for [1], against m1
+    _publish(sync, SYNC_P0, True)
+    l_i = l_i * scale1
+    acc = acc * gl.convert_layout(scale1, o_rows)[:, None]
+    if PAIRED:
+        acc = warpgroup_mma(rope_smem.index(1), lat_smem.index(1).slice(0, HALF, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(EMPTY_LATE1), count=1)
+    return acc, m1, l_i
+
+
+@gluon.jit
+def _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k, tile,
+                       seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
+                       PAIRED: gl.constexpr):
+    """Warpgroup 1's part of pair k: O's right half."""
+    CHUNKS: gl.constexpr = lat_smem.shape[2] // CHUNK
+    HALF: gl.constexpr = lat_smem.shape[2] // 2
+    dtype: gl.constexpr = lat_smem.dtype
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    phase = k & 1
+    if PAIRED:
+        lat1 = lat_smem.index(1)
+        s = _seesaw_scores(q_lat, q_rope, lat1, rope_smem.index(1), ready[1], phase, 1,
+                           s_layout) * scale_log2
+        s = _seesaw_mask(s, lat1, tile + 1, seq_len, MASKED)
+        mbarrier.wait(sync.index(SYNC_M0), phase)
+        m0 = xchg[0].load(rows)
+        m1 = gl.maximum(m0, gl.max(s, 1))
+        m1_safe = gl.where(m1 == float("-inf"), 0.0, m1)
+        p1 = gl.exp2(s - m1_safe[:, None])
+        xchg[1].store(m1)
+        rope_smem.index(1).store(p1.to(dtype))  # P1 for [0]: S1 has read the RoPE keys
+        _publish(sync, SYNC_S1, True)
+        scale = gl.exp2(m_i - m1_safe)
+        l_i = l_i * scale + gl.sum(p1, 1)
+        acc = acc * gl.convert_layout(scale, o_rows)[:, None]
+        p1_operand = gl.convert_layout(p1.to(dtype), p_operand)
+        acc = warpgroup_mma(p1_operand, lat1.slice(HALF, HALF, dim=1), acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=[acc, p1_operand])
+        mbarrier.arrive(empty.index(EMPTY_EARLY1), count=1)
+    else:  # no second tile: m1 is m0
+        mbarrier.wait(sync.index(SYNC_M0), phase)
+        m1 = xchg[0].load(rows)
+        xchg[1].store(m1)
+        _publish(sync, SYNC_S1, False)
+        scale = gl.exp2(m_i - gl.where(m1 == float("-inf"), 0.0, m1))
+        l_i = l_i * scale
+        acc = acc * gl.convert_layout(scale, o_rows)[:, None]
+    mbarrier.wait(sync.index(SYNC_P0), phase)
+    acc = warpgroup_mma(rope_smem.index(0), lat_smem.index(0).slice(HALF, HALF, dim=1), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index(EMPTY_LATE0), count=1)
+    return acc, m1, l_i
+
+
+@gluon.jit
+def _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, first: gl.constexpr,
+                    count: gl.constexpr, WITH_ROPE: gl.constexpr):
+    """64-column chunks first .. first + count of the 64 heads' queries (and their RoPE part) to shared memory,
+    rows past num_heads as 0."""
+    LATENT: gl.constexpr = q_lat.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    heads = first_head + gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, layout))
+    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
+    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+    live = (heads < num_heads)[:, None]
+    for c in gl.static_range(first, first + count):
+        q_lat.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(q_row + c * CHUNK + cols[None, :], mask=live, other=0.0))
+    if WITH_ROPE:
+        q_rope.store(gl.load(q_row + LATENT + cols[None, :], mask=live, other=0.0))
+
+
+@gluon.jit
+def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync,
+                     seq, head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot,
+                     stride_oh, stride_ls, stride_lt, stride_lh, scale_log2):
+    """Consumer warpgroup `half` (0: O's left LATENT / 2 columns, 1: the right ones)."""
+    LATENT: gl.constexpr = lat_smem.shape[2]
+    CHUNKS: gl.constexpr = LATENT // CHUNK
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, SEESAW_TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, LATENT // 2, 16])
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    first_head = head_block * WIDE_HEADS
+    # each warpgroup stages half of Q's latent chunks (warpgroup 0 the RoPE part too), then waits for the other
+    _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, half * (CHUNKS // 2),
+                    CHUNKS // 2, half == 0)
+    _publish(sync, SYNC_Q, True)
+    mbarrier.wait(sync.index(SYNC_Q), 0)
+
+    m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, rows)
+    l_i = gl.zeros([WIDE_HEADS], gl.float32, rows)
+    acc = gl.zeros([WIDE_HEADS, LATENT // 2], gl.float32, o_layout)
+    pairs = (hi - lo) // 2
+    # pairs whose both tiles hold keys below seq_len only (no masks); then a last pair, or a last unpaired tile
+    full_hi = gl.maximum(gl.minimum(hi, seq_len // SEESAW_TILE), lo)
+    unmasked = gl.minimum((full_hi - lo) // 2, pairs)
+    for k in range(0, unmasked):
+        if half == 0:
+            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                              s_layout, o_layout, False, True)
+        else:
+            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                               s_layout, o_layout, False, True)
+    for k in range(unmasked, pairs):
+        if half == 0:
+            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                              s_layout, o_layout, True, True)
+        else:
+            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                               s_layout, o_layout, True, True)
+    for k in range(pairs, (hi - lo + 1) // 2):
+        if half == 0:
+            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                              s_layout, o_layout, True, False)
+        else:
+            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
+                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
+                                               s_layout, o_layout, True, False)
+
+    # each half summed the rows of its own tiles: the total from both
+    xchg[2 + half].store(l_i)
+    _publish(sync, SYNC_L, False)
+    mbarrier.wait(sync.index(SYNC_L), 0)
+    l_total = xchg[2].load(rows) + xchg[3].load(rows)
+    out, lse = finish_row_sums(acc, m_i, l_total)
+    store_rows(Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head, num_heads - first_head, stride_os,
+               stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+
+
+@gluon.jit
+def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table, stride_qt,
+                   stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+                   scale_log2, LATENT: gl.constexpr, PAGE: gl.constexpr):
+    """The seesaw kernel's buffers and partitions (`gluon_mla_decode_kernel` with SEESAW)."""
+    dtype: gl.constexpr = desc.dtype
+    CHUNKS: gl.constexpr = LATENT // CHUNK
+    chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SEESAW_TILE, CHUNK], dtype)
+    lat_smem = gl.allocate_shared_memory(dtype, [2, SEESAW_TILE, LATENT],
+                                         gl.NVMMASharedLayout.get_default_for([SEESAW_TILE, LATENT], dtype))
+    rope_smem = gl.allocate_shared_memory(dtype, [2, SEESAW_TILE, CHUNK], chunk_layout)
+    q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
+                                      gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, CHUNK], chunk_layout)
+    # row vectors between the warpgroups: m0, m1, then each half's row sums
+    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    xchg = (gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
+            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
+            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
+            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout))
+    # a `ready` barrier per 64-column chunk of each stage (and its RoPE part); allocations of a power of two
+    ready0 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
+    ready1 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(CHUNKS + 1):
+        mbarrier.init(ready0.index(i), count=1)
+        mbarrier.init(ready1.index(i), count=1)
+    ready = (ready0, ready1)
+    for i in gl.static_range(4):
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(5):
+        mbarrier.init(sync.index(i), count=2 if (i == SYNC_Q) or (i == SYNC_L) else 1)
+    table_row = Block_table + seq.to(gl.int64) * stride_table
+    gl.warp_specialize([
+        (_seesaw_consumer, (0, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
+                            head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os,
+                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2)),
+        (_seesaw_consumer, (1, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
+                            head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os,
+                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2)),
+        (_seesaw_producer, (desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE)),
+    ], [4, 1], [SEESAW_REGS, PRODUCER_REGS])
+
+
 @gluon.jit(do_not_specialize=["num_splits", "stride_table", "stride_os", "stride_ls", "stride_lt", "stride_lh"],
            do_not_specialize_on_alignment=["Block_table", "Seq_lens"])
 def gluon_mla_decode_kernel(
@@ -241,14 +598,15 @@ def gluon_mla_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-    RELEASE_DEPENDENTS: gl.constexpr = False,
+    RELEASE_DEPENDENTS: gl.constexpr = False, SEESAW: gl.constexpr = False,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
     viewed as (blocks * PAGE, LATENT + ROPE) with boxes [min(PAGE, BLOCK_N), LATENT] and [min(PAGE, BLOCK_N),
     ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
     float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. RELEASE_DEPENDENTS: see
-    `gluon_paged.release_dependents`."""
+    `gluon_paged.release_dependents`. SEESAW (WIDE, BLOCK_N 64, STAGES 2; 4 warps, + 4 + 1 in the partitions):
+    the seesaw schedule above, by TMA boxes of 64 columns (rope_desc's)."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     HEADS: gl.constexpr = WIDE_HEADS if WIDE else BLOCK_M
@@ -260,27 +618,34 @@ def gluon_mla_decode_kernel(
     split = gl.program_id(2)
     seq_len, lo, hi = split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N)
 
-    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
-    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [HEADS, LATENT], gl.NVMMASharedLayout.get_default_for([HEADS, LATENT],
-                                                                                                    dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [HEADS, ROPE], gl.NVMMASharedLayout.get_default_for([HEADS, ROPE],
-                                                                                                  dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
-                                                                                                     dtype))
-    ready, empty = ring_barriers(STAGES)
-    table_row = Block_table + seq.to(gl.int64) * stride_table
-    # (a tuple held in a variable loses its constexprs: the producer's stay written out)
-    consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
-                     seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                     stride_lt, stride_lh, scale_log2)
-    if WIDE:
-        gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
-            lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
-            [1], [PRODUCER_REGS])
+    if SEESAW:
+        gl.static_assert(WIDE and BLOCK_N == SEESAW_TILE and STAGES == 2 and ROPE == CHUNK,
+                         "the seesaw kernel takes 64 heads, two stages of 64 keys and a RoPE part of 64")
+        _seesaw_kernel(rope_desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table,
+                       stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                       stride_lh, scale_log2, LATENT, PAGE)
     else:
-        gl.warp_specialize([(_consumer, consumer_args), (_producer, (
-            lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
-            [1], [PRODUCER_REGS])
+        lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
+                                             gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
+        rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
+                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
+        q_lat = gl.allocate_shared_memory(dtype, [HEADS, LATENT], gl.NVMMASharedLayout.get_default_for([HEADS, LATENT],
+                                                                                                        dtype))
+        q_rope = gl.allocate_shared_memory(dtype, [HEADS, ROPE], gl.NVMMASharedLayout.get_default_for([HEADS, ROPE],
+                                                                                                      dtype))
+        p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
+                                                                                                         dtype))
+        ready, empty = ring_barriers(STAGES)
+        table_row = Block_table + seq.to(gl.int64) * stride_table
+        # (a tuple held in a variable loses its constexprs: the producer's stay written out)
+        consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
+                         seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
+                         stride_lt, stride_lh, scale_log2)
+        if WIDE:
+            gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
+                lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
+                [1], [PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_consumer, consumer_args), (_producer, (
+                lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
+                [1], [PRODUCER_REGS])

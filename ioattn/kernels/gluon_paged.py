@@ -260,7 +260,12 @@ def split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N: gl.constexpr):
 def finish_rows(acc, m_i, l_tile):
     """(O / l, the natural-log LSE) of a finished running state whose row sums stay per key column (l_tile);
     rows that saw no key give 0 and -inf, never NaN."""
-    l_i = gl.sum(l_tile, 1)
+    return finish_row_sums(acc, m_i, gl.sum(l_tile, 1))
+
+
+@gluon.jit
+def finish_row_sums(acc, m_i, l_i):
+    """`finish_rows` for row sums held as one value per row (l_i)."""
     empty_row = l_i == 0.0
     out = acc / gl.convert_layout(gl.where(empty_row, 1.0, l_i), gl.SliceLayout(1, acc.type.layout))[:, None]
     lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(gl.where(empty_row, 1.0, l_i))) * _LN2)

@@ -2,8 +2,9 @@
 
 It takes what the Triton MLA kernel's decode takes except float32, latents that are not a multiple of 64 up to
 512, RoPE parts other than 64 and pages under 16 slots. `MLAConfig(block_h=16, num_warps=4)` runs 16 heads per
-program on mma.sync, `MLAConfig(block_h=64, num_warps=8)` 64 on wgmma (two warpgroups); `gluon_mla_unsupported` names the first argument it
-cannot take, `gluon_mla_config_unsupported` the first field of a config it cannot build.
+program on mma.sync, `MLAConfig(block_h=64, num_warps=8)` 64 on wgmma (two warpgroups, in lockstep or, `seesaw=True`,
+on two tiles at once); `gluon_mla_unsupported` names the first argument it cannot take,
+`gluon_mla_config_unsupported` the first field of a config it cannot build.
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
                 f"kernel, got block_h={config.block_h}, num_warps={config.num_warps}")
     if config.block_n not in (32, 64):
         return f"config.block_n must be 32 or 64 for the Gluon MLA kernel, got {config.block_n}"
+    if config.seesaw and (config.block_h, config.block_n, config.num_stages, config.maxnreg) != (64, 64, 2, None):
+        return ("config.seesaw takes block_h=64, block_n=64, num_stages=2 (a pair of tiles) and maxnreg=None (it "
+                f"sets each warpgroup's registers), got block_h={config.block_h}, block_n={config.block_n}, "
+                f"num_stages={config.num_stages}, maxnreg={config.maxnreg}")
     # the launch counts whole warpgroups: the consumer warps, the producer warp and the idle rest of its group
     threads = 128 * math.ceil((config.num_warps + 1) / 4)
     if config.maxnreg is not None and config.maxnreg * threads > REGISTERS:
@@ -89,6 +94,6 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
-        RELEASE_DEPENDENTS=release_dependents,
-        num_warps=config.num_warps, maxnreg=config.maxnreg,
+        RELEASE_DEPENDENTS=release_dependents, SEESAW=config.seesaw,
+        num_warps=4 if config.seesaw else config.num_warps, maxnreg=config.maxnreg,  # seesaw: 4 + 4 in partitions
     )

@@ -53,11 +53,16 @@ class MLAConfig:
     maxnreg: int | None = None
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
+    seesaw: bool = False  # kernel "gluon" at 64 heads: the two warpgroups on two tiles at once (FlashMLA's schedule)
 
     def __post_init__(self):
         check_launch_config(self)
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"MLAConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
+        if not isinstance(self.seesaw, bool):
+            raise ValueError(f"MLAConfig.seesaw must be a bool, got {self.seesaw!r}")
+        if self.seesaw and self.kernel != "gluon":
+            raise ValueError(f"MLAConfig.seesaw is a schedule of kernel='gluon', got kernel={self.kernel!r}")
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:
@@ -149,8 +154,9 @@ class MLAPlan:
             return (f"torch MLA: {torch_paged.DESCRIPTION}; V is the latent part of the same rows"
                     + (f" ({self.reason})" if self.reason else ""))
         cfg = self.config
-        name = (f"gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, "
-                f"{'wgmma' if cfg.block_h == 64 else 'mma.sync'})" if cfg.kernel == "gluon" else "mla_attention_kernel")
+        mma = ("wgmma, seesaw" if cfg.seesaw else "wgmma") if cfg.block_h == 64 else "mma.sync"
+        name = (f"gluon_mla_decode_kernel (sm_90: TMA latent rows by a producer warp, {mma})"
+                if cfg.kernel == "gluon" else "mla_attention_kernel")
         launch = (f"{name} BLOCK_H={self.block_h} TOKENS={self.tokens_per_tile} BLOCK_N={cfg.block_n} "
                   f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
                   + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))

@@ -24,10 +24,11 @@ from ioattn.reference import TOLERANCE, lse_error, rel_error
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for block_n, stages, page, maxnreg, cache, wide in json.loads(sys.argv[1]):
-    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, release=wide)
+for block_n, stages, page, maxnreg, cache, wide, seesaw in json.loads(sys.argv[1]):
+    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, release=wide, seesaw=seesaw)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide], cubin=kernel.asm["cubin"][:4].hex(),
+    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, seesaw],
+                          cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           release=ptx.count("griddepcontrol.launch_dependents"),
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
@@ -40,15 +41,20 @@ GLUON = dict(default=DEFAULT,
                            kernel="gluon"),
              deep=MLAConfig(block_h=16, block_m=16, block_n=32, num_stages=3, maxnreg=128, kernel="gluon"),
              wgmma=GLUON_MLA_DEFAULTS[(128, 512)],
-             wgmma_deep=MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=3, kernel="gluon"))
+             wgmma_deep=MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=3, kernel="gluon"),
+             seesaw=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
+                              seesaw=True))
 
 
 def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measured():
     # each build with the spill bytes it was measured with: the defaults (64-key tiles, registers uncapped) spill a
     # little and were still the fastest (bench/results/2026-12-06-gluon-mla-h100); the 32-key tiles spill nothing
-    cases = {(64, 2, 64, None, "bf16", False): 8, (64, 2, 16, None, "fp16", False): 8,
-             (32, 2, 64, 128, "bf16", False): 0, (32, 3, 128, 128, "bf16", False): 0,
-             (64, 2, 64, None, "bf16", True): 96, (32, 3, 64, None, "bf16", True): 8}
+    # the seesaw kernel spills loop-invariant chunk descriptors of warpgroup 0 (the default partition: it also holds
+    # the kernel's arguments), reloaded from L1 once per chunk
+    cases = {(64, 2, 64, None, "bf16", False, False): 8, (64, 2, 16, None, "fp16", False, False): 8,
+             (32, 2, 64, 128, "bf16", False, False): 0, (32, 3, 128, 128, "bf16", False, False): 0,
+             (64, 2, 64, None, "bf16", True, False): 96, (32, 3, 64, None, "bf16", True, False): 8,
+             (64, 2, 64, None, "bf16", True, True): 344, (64, 2, 16, None, "fp16", True, True): 360}
     builds = build_records(_AOT_SCRIPT, json.dumps([list(c) for c in cases]))
     assert [tuple(b["case"]) for b in builds] == list(cases)
     for b in builds:
@@ -63,6 +69,10 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
 def test_kernel_field_is_checked():
     with pytest.raises(ValueError, match="MLAConfig.kernel must be 'triton' or 'gluon'"):
         MLAConfig(kernel="cuda")
+    with pytest.raises(ValueError, match="MLAConfig.seesaw is a schedule of kernel='gluon'"):
+        MLAConfig(seesaw=True)
+    with pytest.raises(ValueError, match="MLAConfig.seesaw must be a bool"):
+        MLAConfig(kernel="gluon", seesaw=1)
 
 
 def _decode_call(**change):
@@ -107,6 +117,8 @@ def test_every_refusal_names_what_the_kernel_takes(change, why):
     (dict(block_n=128, block_m=16), "block_n must be 32 or 64"),
     (dict(block_n=64, num_stages=3), "bytes of shared memory"),
     (dict(block_h=64, block_m=64, num_warps=8, maxnreg=200), "at most 168, or None"),
+    (dict(block_h=64, block_m=64, num_warps=8, block_n=32, seesaw=True), "config.seesaw takes block_h=64"),
+    (dict(block_h=64, block_m=64, num_warps=8, block_n=64, maxnreg=160, seesaw=True), "and maxnreg=None"),
 ])
 def test_configs_it_cannot_build_are_named(change, why):
     from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
@@ -155,6 +167,9 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.bfloat16, 128, 64, "wgmma"),  # two programs of 64 heads
     (torch.float16, 40, 16, "wgmma"),  # one program, rows 40..63 padding
     (torch.bfloat16, 200, 32, "wgmma_deep"),  # four programs, the last partly padding
+    (torch.bfloat16, 128, 64, "seesaw"),
+    (torch.float16, 40, 16, "seesaw"),
+    (torch.bfloat16, 72, 128, "seesaw"),  # two programs, the second 8 heads and 56 rows of padding
 ])
 def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
     for splits in (1, 3, 0):
@@ -227,7 +242,7 @@ def test_rising_scores_take_the_conditional_rescale_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "wgmma"])
+@pytest.mark.parametrize("config", ["default", "wgmma", "seesaw"])
 def test_dependent_combine_after_the_gluon_kernel_on_gpu(config):
     seq_lens = [900, 40, 0, 333]
     cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
