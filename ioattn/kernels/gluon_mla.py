@@ -19,6 +19,8 @@ O = P · latent, so V is the latent part of the very tile K came from and is rea
 
 - WIDE: two consumer warpgroups; S = Q·Kᵀ and O += P·V on wgmma from shared memory, the warpgroups splitting S's
   keys and O's LATENT columns (64 x 256 float32 each at 512), the running max moved every tile.
+- SEESAW (WIDE's 64 heads): the two warpgroups on a pair of tiles at once, each with its own S, so one's softmax
+  overlaps the other's wgmmas (see the section below).
 
 Out/Lse take `ioattn.kernels.mla_attention`'s layout (split partials merged by `ioattn.kernels.combine`). Decode
 only; bf16 or fp16; LATENT a multiple of 64 up to 512, ROPE 64; pages of 16+ slots.
@@ -364,6 +366,8 @@ def _seesaw_mask(s, lat, tile, seq_len, MASKED: gl.constexpr):
         keys = tile * SEESAW_TILE + gl.arange(0, SEESAW_TILE, layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
         _zero_stale_rows(lat, tile, seq_len)
+        fence_async_shared()  # the zeros before any wgmma reads the stage (this warpgroup's P·V comes first)
+        gl.thread_barrier()
     return s
 
 
