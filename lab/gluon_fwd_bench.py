@@ -8,7 +8,7 @@ GQA 16/4 row of MEASURING.md. Each backend runs first on NaN-poisoned (gluon) or
 with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
 `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
-`-band16` the work tiles in bands of 16 query blocks per head. `--variants` adds the kernel without ping-pong and
+`-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block first). `--variants` adds the kernel without ping-pong and
 with a conditional rescale (threshold 8), `--configs` other (block_n, stages) per head dim. The JSON is rewritten
 after every row; the run stops between rows past the budget.
 Without an sm_90 GPU it says so and exits.
@@ -60,10 +60,10 @@ def _backends(variants: bool, configs: bool) -> dict:
                                                                  enable_gqa=k.shape[2] != q.shape[2])
         return o.transpose(1, 2)
 
-    # gluon-per-tile: the same kernel on one program per work tile, the grid before the persistent one; -band16: the
-    # work tiles in bands of 16 query blocks per (batch, head) (GluonConfig.band), not yet the default
-    backends = {"gluon": gluon(), "gluon-per-tile": gluon(persistent=False), "gluon-band16": gluon(band=16),
-                "gluon-per-tile-band16": gluon(persistent=False, band=16), "ioattn": ioattn_fwd, "torch-cudnn": cudnn}
+    # gluon-per-tile: the same kernel on one program per work tile, the grid before the persistent one; -band1: the
+    # work tiles' order before bands of 16 query blocks per (batch, head) (GluonConfig.band)
+    backends = {"gluon": gluon(), "gluon-per-tile": gluon(persistent=False), "gluon-band1": gluon(band=1),
+                "gluon-per-tile-band1": gluon(persistent=False, band=1), "ioattn": ioattn_fwd, "torch-cudnn": cudnn}
     if variants:
         backends.update({"gluon-no-pingpong": gluon(pingpong=False),
                          "gluon-rescale-conditional": gluon(rescale_threshold=8.0)})

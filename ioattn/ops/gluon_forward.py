@@ -36,9 +36,9 @@ class GluonConfig:
     pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
     persistent: bool = True  # one program per SM walks the work tiles (else one program per work tile)
     # the work tiles' order: bands of this many query blocks, each (batch, head)'s next to each other (the kernel's
-    # _tile_coords); 1, the order its GPU tests passed with: every (batch, head) of one query block before the next.
-    # 16 lets the running tiles share K/V in L2 (0.64x cuDNN at D128 N2k with 1 on an H100); not yet run on a GPU
-    band: int = 1
+    # _tile_coords), so the running tiles share K/V in L2; 1 (every (batch, head) of one query block before the
+    # next) was 0.64x cuDNN at D128 N2k on an H100, 16 0.97x (bench/results/2026-12-07-mla-seesaw-fwd-band-h100)
+    band: int = 16
 
     def __post_init__(self):
         check_launch_config(self)
@@ -101,12 +101,11 @@ def fp8_gluon_config(head_dim: int) -> GluonConfig:
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
-# tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048). Empty: the kernel was
-# rewritten on 2026-12-06 (persistent grid, sliding windows, varlen) and has not run on a GPU since, so no committed
-# run measures it and auto takes the Triton forward; `lab/gluon_fwd_device.sh` measures it and its GPU tests. The
-# non-persistent kernel before it was measured faster at {(128, False): 8192, (128, True): 2048, (256, False): 2048,
-# (256, True): 2048} (bench/results/2026-12-05-mla-gluon-h200, 2026-12-05-w2-tune-h100).
-GLUON_FASTER: dict[tuple[int, bool], int] = {}
+# tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048, persistent, bands of 16:
+# bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100): 1.14-1.28x the Triton forward at D128 (N 2k-16k, causal
+# and not, GQA 16/4), 1.21-1.38x at D256. D64 stays on the Triton forward: ahead of Gluon on 5 of its 6 rows.
+GLUON_FASTER: dict[tuple[int, bool], int] = {(128, False): 2048, (128, True): 2048, (256, False): 2048,
+                                             (256, True): 2048}
 
 
 def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:

@@ -12,6 +12,7 @@ Launches are CUDA-graph safe when the caller passes `max_seqlen_q` (multi-token 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -92,6 +93,10 @@ GLUON_MLA_DEFAULTS = {
     (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
 }
 GLUON_MLA_MIN_BATCH = {(16, 512): 1, (128, 512): 8}
+# The 64-head kernel takes the seesaw schedule where each program walks at least this many keys (the table's
+# capacity over the split count): 1.05-1.19x the lockstep schedule from 4096, equal at 2048, 0.84-0.93x below
+# (a pair's fixed cost over few tiles; bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100).
+SEESAW_MIN_KEYS = 2048
 
 
 def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tuple[MLAConfig | None, str]:
@@ -125,14 +130,16 @@ def candidate_configs(num_heads: int, *, decode: bool) -> list[MLAConfig]:
 
 def gluon_candidate_configs(num_heads: int, v_head_dim: int = 512) -> list[MLAConfig]:
     """The Gluon MLA decode's configurations worth timing on sm_90 (`launch_gluon_mla` refuses them elsewhere):
-    16 heads per program on mma.sync, and from 64 heads 64 per program on wgmma; 32- or 64-key tiles, 2-4
-    stages where shared memory holds them, registers uncapped or (16 heads) capped at 128."""
+    16 heads per program on mma.sync, and from 64 heads 64 per program on wgmma (in lockstep, or on the seesaw
+    schedule); 32- or 64-key tiles, 2-4 stages where shared memory holds them, registers uncapped or (16 heads)
+    capped at 128."""
     from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
 
     shapes = [(16, 4, None), (16, 4, 128)] + ([(64, 8, None)] if num_heads >= 64 else [])
-    configs = [MLAConfig(block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r, kernel="gluon")
-               for h, w, r in shapes for n in (32, 64) for s in (2, 3, 4)]
-    return [c for c in configs if gluon_mla_config_unsupported(c, v_head_dim) is None]
+    configs = [MLAConfig(block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r, kernel="gluon",
+                         seesaw=seesaw)
+               for h, w, r in shapes for n in (32, 64) for s in (2, 3, 4) for seesaw in (False, h == 64)]
+    return list(dict.fromkeys(c for c in configs if gluon_mla_config_unsupported(c, v_head_dim) is None))
 
 
 @dataclass(frozen=True)
@@ -183,9 +190,11 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     if backend == "torch":
         return MLAPlan(config or default_config(num_heads, v_head_dim, q.dtype, decode=decode), 1, 0, 0, 0, 0,
                        backend="torch", reason=why)
+    default_gluon = False
     if config is None and decode and q.is_cuda:
         config, gluon_why = gluon_mla_default(q, latent_cache, v_head_dim, decode=decode)
         why = f"{why}; {gluon_why}" if config is not None else f"{why}; Triton kernel: {gluon_why}"
+        default_gluon = config is not None
     elif config is not None and config.kernel == "gluon":
         from ioattn.ops.gluon_mla import gluon_mla_config_unsupported, gluon_mla_unsupported
 
@@ -204,6 +213,10 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1
+    keys_per_program = block_table.shape[1] * latent_cache.shape[1] // num_splits
+    if default_gluon and block_h == 64 and keys_per_program >= SEESAW_MIN_KEYS:
+        config = dataclasses.replace(config, seesaw=True)
+        why += f"; the seesaw schedule: {keys_per_program} keys per program (from {SEESAW_MIN_KEYS}: SEESAW_MIN_KEYS)"
     dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return MLAPlan(config, num_splits, block_h, tokens, q_tiles, head_blocks, dependent, reason=why)
 

@@ -195,6 +195,17 @@ def test_default_plan_takes_gluon_at_16_and_128_heads_on_sm90():
         plan = str(explain_mla(q, cache, table[:batch], lens[:batch], v_head_dim=512))
         assert ("gluon_mla_decode_kernel" in plan) == gluon, plan
         assert ("producer warp, wgmma" in plan) == (gluon and heads == 128), plan
+        assert "seesaw" not in plan, plan  # a table of 15 pages: 960 keys, fewer than SEESAW_MIN_KEYS
+    # the seesaw schedule where each program walks SEESAW_MIN_KEYS keys or more (the table's capacity per split)
+    q = torch.randn(8, 128, 576, dtype=torch.bfloat16, device="cuda")
+    wide = torch.zeros(8, 64, dtype=torch.int32, device="cuda")
+    wide[:, :table.shape[1]] = table[:8]
+    # 4096 keys: the heuristic splits 8 sequences x 2 head blocks 8 ways on 132 SMs (512 keys per program)
+    for splits, seesaw in ((0, False), (1, sm90), (2, sm90), (3, False)):
+        plan = explain_mla(q, cache, wide, lens[:8], v_head_dim=512, num_splits=splits)
+        assert ("wgmma, seesaw" in str(plan)) == seesaw and plan.config.seesaw == seesaw, (splits, str(plan))
+    explicit = explain_mla(q, cache, wide, lens[:8], v_head_dim=512, config=GLUON["wgmma"])
+    assert "seesaw" not in str(explicit), str(explicit)  # an explicit config is taken as given
     q = torch.randn(2, 16, 576, dtype=torch.bfloat16, device="cuda")
     multi = str(explain_mla(q, cache, table[:2], lens[:2], v_head_dim=512, cu_seqlens_q=torch.tensor(
         [0, 1, 2], dtype=torch.int32, device="cuda"), max_seqlen_q=1))
@@ -289,4 +300,5 @@ def test_tuning_candidates_include_the_gluon_decode():
         assert gluon and all(gluon_mla_config_unsupported(c, 512) is None for c in gluon)
         assert {c.block_h for c in gluon} == ({16} if heads == 16 else {16, 64})
         assert {c.block_n for c in gluon} == {32, 64}
+        assert any(c.seesaw for c in gluon) == (heads == 128) and len(set(gluon)) == len(gluon)
     assert all(c.kernel == "triton" for c in candidate_configs(128, decode=False))
