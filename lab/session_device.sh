@@ -2,10 +2,11 @@
 # One device call (< 10 minutes) for what the open W2 issues lack, each part under its own timeout and skipped when
 # the call's 560 s would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
-#   mla:    the Gluon MLA and paged decode GPU tests, then 128 heads on the seesaw schedule beside the lockstep
-#           wgmma kernel, and 16 heads with split combines by dependent launch and in stream order (W2 7/7)  <= 250 s
-#   fwd:    lab/gluon_fwd_device.sh: the Gluon forward's GPU tests and its bench beside the Triton forward and
-#           cuDNN (W2 5/7), in what is left                                                             <= 300 s
+#   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
+#           the MLA kernels (the seesaw default)                                                         <= 160 s
+#   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
+#   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
+#           (W2 5/7), in what is left
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
 # From the repository root on the device:   OUT=/tmp/out bash lab/session_device.sh
 set -u
@@ -32,31 +33,38 @@ decode_bar() {
     step "the fp8 decode bar's rows, beside bf16 and cuDNN"
     fp8_decode_bench 90
 }
-mla_parts() {
-    source "$lab/device_log.sh" mla.log
-    step "GPU tests: the Gluon MLA and paged decodes"
-    gpu_tests 100 8 gpu-tests.txt tests/kernels/test_gluon_mla.py tests/kernels/test_gluon_paged.py
-    step "128 heads: the seesaw schedule beside the lockstep wgmma kernel"
-    GLUON_MLA="w64/2/0/1 s64/2/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128.json \
-        GLUON_MLA_SHAPES="64x1024 64x4096 64x8192 128x4096 64x32768" timeout 80 python3 lab/gluon_mla.py 2>&1 \
-        | grep -v Warning
-    step "16 heads at the bar rows the split combine decides: by dependent launch, and in stream order"
-    GLUON_MLA="64/2/0/1 64/2/0/1/ordered" GLUON_MLA_HEADS=16 GLUON_MLA_JSON=gluon-mla-h16.json \
-        GLUON_MLA_SHAPES="64x1024 32x4096 8x8192 1x32768" timeout 60 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+gpu_test_part() {
+    source "$lab/device_log.sh" tests.log
+    step "GPU tests: the Gluon forward, the fp8 forward, the MLA kernels"
+    gpu_tests 150 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py \
+        tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py
 }
-fwd_part() {  # the Gluon forward in what is left of the 560 s
-    local left=$(( 560 - SECONDS - 10 ))
-    if (( left < 150 )); then
-        echo "== part fwd left out: $left s left"
-        return
-    fi
-    run_part fwd "$left" env TESTS_S=$(( left * 2 / 5 )) BENCH_S=$(( left * 3 / 5 - 10 )) bash "$lab/gluon_fwd_device.sh"
+mla_bench() {
+    source "$lab/device_log.sh" mla.log
+    step "ioattn bench decode --mla, 16 and 128 heads, the defaults"
+    python3 -m ioattn.cli bench decode --mla --heads 16,128 --budget-s 110 --json "$OUT/mla-decode.json" \
+        > "$OUT/mla-decode.txt" 2>&1
+    echo "bench exit $?"; grep -E "^Bar|^\|" "$OUT/mla-decode.txt" | cut -c1-300 | tail -60
+}
+prefill_bench() {  # $1: seconds
+    source "$lab/device_log.sh" prefill.log
+    step "ioattn bench prefill beside torch cuDNN"
+    python3 -m ioattn.cli bench prefill --backends ioattn,torch-cudnn --dims 128,64,256 \
+        --seqlens 2048,4096,8192,16384 --budget-s $(( $1 - 25 )) --json "$OUT/prefill.json" --md "$OUT/prefill.md" \
+        > "$OUT/prefill.txt" 2>&1
+    echo "bench exit $?"; grep -E "^\|" "$OUT/prefill.md" | head -60
 }
 if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     run_part decode 100 bash -c "$(declare -f decode_bar); lab=$lab; decode_bar"
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
-run_part mla 250 bash -c "$(declare -f mla_parts); lab=$lab; mla_parts"
-fwd_part
+run_part tests 160 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
+run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
+left=$(( 560 - SECONDS - 5 ))
+if (( left >= 90 )); then
+    run_part prefill "$left" bash -c "$(declare -f prefill_bench); lab=$lab; prefill_bench $left"
+else
+    echo "== part prefill left out: $left s left"
+fi
 tar czf "$root/session.tgz" -C "$root" "${parts[@]}" && rm -rf "${parts[@]/#/$root/}"
