@@ -9,8 +9,9 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
     PYTHONPATH=. python3 lab/gluon_mla.py     # writes $OUT/gluon-mla.json (CUDA, sm_90)
     GLUON_MLA="n/s/r/p ..."  block_n/stages/maxnreg (0: none)/programs_per_sm of each Gluon variant
                              (a leading w: 64 heads per program on wgmma, s: the same on the seesaw
-                             schedule; a trailing /ordered: the split
-                             combine in stream order, not by dependent launch)
+                             schedule; a trailing /ordered: the split combine in stream order, not by
+                             dependent launch; /half: half the split heuristic's count)
+    GLUON_MLA_TRITON=0       leaves out the Triton kernel's rows
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
 
@@ -36,19 +37,21 @@ SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ.get(
 
 
 def variants(heads: int) -> list:
-    """(name, config, dependent_combine) of the Triton default and each Gluon variant of GLUON_MLA."""
-    out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True), None)]
+    """(name, config, dependent_combine, half_splits) of the Triton default (unless GLUON_MLA_TRITON=0) and each
+    Gluon variant of GLUON_MLA."""
+    out = [("triton", default_config(heads, LATENT_DIM, torch.bfloat16, decode=True), None, False)]
+    out = out if os.environ.get("GLUON_MLA_TRITON", "1") == "1" else []
     for item in GLUON_MLA.split():
         seesaw = item.startswith("s")  # 64 heads per program, the seesaw schedule
         wide = seesaw or item.startswith("w")  # 64 heads per program on wgmma, 8 warps
         fields = item.lstrip("ws").split("/")
-        ordered = fields[4:] == ["ordered"]
+        ordered, half = "ordered" in fields[4:], "half" in fields[4:]
         n, s, r, p = map(int, fields[:4])
         h, w = (64, 8) if wide else (16, 4)
         name = f"gluon{'-seesaw' if seesaw else '-wgmma' if wide else ''} n{n} s{s} r{r} p{p}"
-        out.append((name + (" ordered" if ordered else ""), MLAConfig(
+        out.append((name + (" ordered" if ordered else "") + (" half" if half else ""), MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon", seesaw=seesaw), False if ordered else None))
+            kernel="gluon", seesaw=seesaw), False if ordered else None, half))
     return out
 
 
@@ -70,10 +73,13 @@ def main() -> None:
             pool, table = latent_pool(latent, 64)
             del latent, first
             layers = layer_count(case, args)
-            for name, config, dependent in variants(heads):
+            for name, config, dependent, half in variants(heads):
                 row = {"H": heads, "B": batch, "L": length, "kernel": name}
                 try:
                     forward, _, plan = ioattn_runner(q, pool, table, lens, args, layers, config, 0, dependent)
+                    if half:  # half the heuristic's split count: fewer programs, more keys each
+                        forward, _, plan = ioattn_runner(q, pool, table, lens, args, layers, config,
+                                                         max(1, plan.num_splits // 2), dependent)
                     timed = _time(forward, ref, args, layers)
                     row.update(us=timed["ms"] * 1e3, tbps=case.bytes / (timed["ms"] * 1e-3) / 1e12,
                                error=timed["error"], splits=plan.num_splits, used=timed["how"])
