@@ -4,7 +4,7 @@
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default)                                                         <= 160 s
-#   mla-lab: 16 heads at half the split heuristic's count; 128 heads at short lengths (fixed cost)       <= 70 s
+#   mla-lab: 16 heads at half the split heuristic's count; 128 heads at short lengths (fixed cost)       <= 80 s
 #   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
@@ -44,11 +44,11 @@ mla_lab() {
     source "$lab/device_log.sh" mla-lab.log
     step "16 heads: the split heuristic's count and half of it (fewer programs, no combine at one split)"
     GLUON_MLA_TRITON=0 GLUON_MLA="64/2/0/1 64/2/0/1/half" GLUON_MLA_HEADS=16 GLUON_MLA_JSON=gluon-mla-h16-half.json \
-        GLUON_MLA_SHAPES="64x1024 32x4096 8x8192 128x1024 64x4096 1x32768" timeout 30 python3 lab/gluon_mla.py 2>&1 \
+        GLUON_MLA_SHAPES="64x1024 32x4096 8x8192 128x1024 64x4096 1x32768" timeout 40 python3 lab/gluon_mla.py 2>&1 \
         | grep -v Warning
     step "128 heads, B 64 at short lengths: each kernel's fixed cost per program"
     GLUON_MLA_TRITON=0 GLUON_MLA="w64/2/0/1 s64/2/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128-short.json \
-        GLUON_MLA_SHAPES="64x64 64x128 64x256 64x512 64x2048" timeout 30 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+        GLUON_MLA_SHAPES="64x64 64x128 64x256 64x512 64x2048" timeout 35 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
 }
 mla_bench() {
     source "$lab/device_log.sh" mla.log
@@ -71,7 +71,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part tests 160 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
-run_part mla-lab 70 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
+run_part mla-lab 80 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( 560 - SECONDS - 5 ))
 if (( left >= 90 )); then
