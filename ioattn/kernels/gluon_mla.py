@@ -473,17 +473,19 @@ def _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, 
 def _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, first: gl.constexpr,
                     count: gl.constexpr, WITH_ROPE: gl.constexpr):
     """64-column chunks first .. first + count of the 64 heads' queries (and their RoPE part) to shared memory,
-    rows past num_heads as 0."""
+    rows past num_heads as 0: every load issued before the first store (one global latency, not one per chunk)."""
     LATENT: gl.constexpr = q_lat.shape[1]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     heads = first_head + gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, layout))
     q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
-    cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
     live = (heads < num_heads)[:, None]
-    for c in gl.static_range(first, first + count):
-        q_lat.slice(c * CHUNK, CHUNK, dim=1).store(gl.load(q_row + c * CHUNK + cols[None, :], mask=live, other=0.0))
+    cols = gl.arange(0, count * CHUNK, layout=gl.SliceLayout(0, layout))
+    lat = gl.load(q_row + first * CHUNK + cols[None, :], mask=live, other=0.0)
     if WITH_ROPE:
-        q_rope.store(gl.load(q_row + LATENT + cols[None, :], mask=live, other=0.0))
+        rope_cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        rope = gl.load(q_row + LATENT + rope_cols[None, :], mask=live, other=0.0)
+        q_rope.store(rope)
+    q_lat.slice(first * CHUNK, count * CHUNK, dim=1).store(lat)
 
 
 @gluon.jit
