@@ -8,7 +8,8 @@ GQA 16/4 row of MEASURING.md. Each backend runs first on NaN-poisoned (gluon) or
 with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
 `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
-`-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block first). `--variants` adds the kernel without ping-pong and
+`-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block
+first). `--variants` adds the kernel without ping-pong and
 with a conditional rescale (threshold 8), `--configs` other (block_n, stages) per head dim. The JSON is rewritten
 after every row; the run stops between rows past the budget.
 Without an sm_90 GPU it says so and exits.

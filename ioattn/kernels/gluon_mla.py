@@ -382,15 +382,13 @@ def _publish(sync, which: gl.constexpr, ASYNC_READERS: gl.constexpr):
 
 @gluon.jit
 def _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k, tile,
-                      seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
-                      PAIRED: gl.constexpr):
+                      seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_operand: gl.constexpr,
+                      MASKED: gl.constexpr, PAIRED: gl.constexpr):
     """Warpgroup 0's part of pair k (tiles `tile`, `tile` + 1; PAIRED: the second exists): O's left half."""
-    CHUNKS: gl.constexpr = lat_smem.shape[2] // CHUNK
     HALF: gl.constexpr = lat_smem.shape[2] // 2
     dtype: gl.constexpr = lat_smem.dtype
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     phase = k & 1
     lat0 = lat_smem.index(0)
     s = _seesaw_scores(q_lat, q_rope, lat0, rope_smem.index(0), ready[0], phase, 0, s_layout) * scale_log2
@@ -424,15 +422,13 @@ def _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, r
 
 @gluon.jit
 def _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k, tile,
-                       seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, MASKED: gl.constexpr,
-                       PAIRED: gl.constexpr):
+                       seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_operand: gl.constexpr,
+                       MASKED: gl.constexpr, PAIRED: gl.constexpr):
     """Warpgroup 1's part of pair k: O's right half."""
-    CHUNKS: gl.constexpr = lat_smem.shape[2] // CHUNK
     HALF: gl.constexpr = lat_smem.shape[2] // 2
     dtype: gl.constexpr = lat_smem.dtype
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     phase = k & 1
     if PAIRED:
         lat1 = lat_smem.index(1)
@@ -470,6 +466,19 @@ def _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, 
 
 
 @gluon.jit
+def _seesaw_pair(half: gl.constexpr, acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k,
+                 tile, seq_len, scale_log2, s_layout: gl.constexpr, o_layout: gl.constexpr, p_operand: gl.constexpr,
+                 MASKED: gl.constexpr, PAIRED: gl.constexpr):
+    """Warpgroup `half`'s part of pair k."""
+    if half == 0:
+        return _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k, tile,
+                                 seq_len, scale_log2, s_layout, o_layout, p_operand, MASKED, PAIRED)
+    else:
+        return _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync, k,
+                                  tile, seq_len, scale_log2, s_layout, o_layout, p_operand, MASKED, PAIRED)
+
+
+@gluon.jit
 def _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, first: gl.constexpr,
                     count: gl.constexpr, WITH_ROPE: gl.constexpr):
     """64-column chunks first .. first + count of the 64 heads' queries (and their RoPE part) to shared memory,
@@ -500,6 +509,8 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, LATENT // 2, 16])
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+    # P from registers as the A operand of O += P·V: S's accumulator layout maps onto it in place
+    p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     first_head = head_block * WIDE_HEADS
     # each warpgroup stages half of Q's latent chunks (warpgroup 0 the RoPE part too), then waits for the other
     _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, half * (CHUNKS // 2),
@@ -515,32 +526,14 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     full_hi = gl.maximum(gl.minimum(hi, seq_len // SEESAW_TILE), lo)
     unmasked = gl.minimum((full_hi - lo) // 2, pairs)
     for k in range(0, unmasked):
-        if half == 0:
-            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                              s_layout, o_layout, False, True)
-        else:
-            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                               s_layout, o_layout, False, True)
+        acc, m_i, l_i = _seesaw_pair(half, acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync,
+                                     k, lo + 2 * k, seq_len, scale_log2, s_layout, o_layout, p_operand, False, True)
     for k in range(unmasked, pairs):
-        if half == 0:
-            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                              s_layout, o_layout, True, True)
-        else:
-            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                               s_layout, o_layout, True, True)
+        acc, m_i, l_i = _seesaw_pair(half, acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync,
+                                     k, lo + 2 * k, seq_len, scale_log2, s_layout, o_layout, p_operand, True, True)
     for k in range(pairs, (hi - lo + 1) // 2):
-        if half == 0:
-            acc, m_i, l_i = _seesaw_left_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                              empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                              s_layout, o_layout, True, False)
-        else:
-            acc, m_i, l_i = _seesaw_right_pair(acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready,
-                                               empty, sync, k, lo + 2 * k, seq_len, scale_log2,
-                                               s_layout, o_layout, True, False)
+        acc, m_i, l_i = _seesaw_pair(half, acc, m_i, l_i, q_lat, q_rope, lat_smem, rope_smem, xchg, ready, empty, sync,
+                                     k, lo + 2 * k, seq_len, scale_log2, s_layout, o_layout, p_operand, True, False)
 
     # each half summed the rows of its own tiles: the total from both
     xchg[2 + half].store(l_i)
@@ -635,18 +628,18 @@ def gluon_mla_decode_kernel(
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
         rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
                                               gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-        q_lat = gl.allocate_shared_memory(dtype, [HEADS, LATENT], gl.NVMMASharedLayout.get_default_for([HEADS, LATENT],
-                                                                                                        dtype))
-        q_rope = gl.allocate_shared_memory(dtype, [HEADS, ROPE], gl.NVMMASharedLayout.get_default_for([HEADS, ROPE],
-                                                                                                      dtype))
-        p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N],
-                                                                                                         dtype))
+        q_lat = gl.allocate_shared_memory(dtype, [HEADS, LATENT],
+                                          gl.NVMMASharedLayout.get_default_for([HEADS, LATENT], dtype))
+        q_rope = gl.allocate_shared_memory(dtype, [HEADS, ROPE],
+                                           gl.NVMMASharedLayout.get_default_for([HEADS, ROPE], dtype))
+        p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
         ready, empty = ring_barriers(STAGES)
         table_row = Block_table + seq.to(gl.int64) * stride_table
         # (a tuple held in a variable loses its constexprs: the producer's stay written out)
-        consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
-                         seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                         stride_lt, stride_lh, scale_log2)
+        consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
+                         split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+                         stride_ls, stride_lt, stride_lh, scale_log2)
         if WIDE:
             gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],

@@ -1,0 +1,141 @@
+"""Where a 64-head Gluon MLA decode program spends its time: the lockstep wgmma kernel of
+`ioattn.kernels.gluon_mla` rebuilt here with %globaltimer stamps (ns) per program at: kernel start, Q staged, the
+first tile folded in, the last tile folded in, O and LSE stored (the consumers), and the producer's start, first
+block ids read and first tile's TMA issued. Prints each phase's median over programs, relative to the kernel's
+start, for B 1 and 64 at L 64 and 1024 (128 heads, latent 512 + 64, pages of 64), after one warm-up launch.
+
+    PYTHONPATH=. python3 lab/gluon_mla_probe.py     # CUDA, sm_90
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
+from ioattn.kernels.gluon_mla import (
+    WIDE_HEADS, _page_blocks, _producer, _stage_q, _wide_tile,
+)
+from ioattn.kernels.gluon_paged import PRODUCER_REGS, finish_rows, ring_barriers, split_tiles, store_rows
+from ioattn.ops.gluon_paged import cache_descriptor
+
+SLOTS = 8
+NAMES = ["start", "Q staged", "first tile", "last tile", "stored", "producer start", "first ids", "first TMA"]
+
+
+@gluon.jit
+def _stamp(Stamps, slot: gl.constexpr, after):
+    """%globaltimer into Stamps[program, slot], read once `after` (a value the stamp must wait for) exists."""
+    now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after], dtype=gl.int64,
+                                    is_pure=False, pack=1)
+    program = gl.program_id(0) + gl.num_programs(0) * gl.program_id(1)
+    gl.store(Stamps + program * 8 + slot, now)
+
+
+@gluon.jit
+def _probe_producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, Stamps,
+                    PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    _stamp(Stamps, 5, seq_len)
+    ids_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    blocks = _page_blocks(table_row, lo, seq_len, PAGE, BLOCK_N, ids_layout)
+    _stamp(Stamps, 6, gl.sum(blocks, 0))
+    _producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N)
+    _stamp(Stamps, 7, seq_len)
+
+
+@gluon.jit
+def _probe_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
+                    seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+                    scale_log2, Stamps):
+    BLOCK_N: gl.constexpr = lat_smem.shape[1]
+    LATENT: gl.constexpr = lat_smem.shape[2]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                       instr_shape=[16, BLOCK_N // (NUM_WARPS // 4), 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, NUM_WARPS // 4],
+                                                       instr_shape=[16, LATENT // (NUM_WARPS // 4), 16])
+    _stage_q(Q, q_lat, q_rope, seq, head_block * WIDE_HEADS, num_heads, stride_qt, stride_qh, q_layout)
+    fence_async_shared()
+    _stamp(Stamps, 1, seq_len)
+    m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_tile = gl.zeros([WIDE_HEADS, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([WIDE_HEADS, LATENT], gl.float32, o_layout)
+    acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, 0, lo,
+                                  seq_len, scale_log2, s_layout, o_layout, False)
+    _stamp(Stamps, 2, gl.max(m_i, 0).to(gl.int32, bitcast=True))
+    for tile in range(lo + 1, hi):
+        acc, m_i, l_tile = _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                      tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, False)
+    _stamp(Stamps, 3, gl.max(m_i, 0).to(gl.int32, bitcast=True))
+    out, lse = finish_rows(acc, m_i, l_tile)
+    store_rows(Out, Lse, out, lse, seq * 0, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS, 0,
+               stride_ot, stride_oh, 0, stride_lt, stride_lh)
+    _stamp(Stamps, 4, seq_len)
+
+
+@gluon.jit
+def probe_kernel(lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse, Stamps, stride_qt, stride_qh, stride_table,
+                 stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, num_heads,
+                 BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    """The lockstep 64-head kernel for full tiles only (L a multiple of BLOCK_N), one split, with stamps."""
+    LATENT: gl.constexpr = lat_desc.block_type.shape[1]
+    ROPE: gl.constexpr = rope_desc.block_type.shape[1]
+    dtype: gl.constexpr = lat_desc.dtype
+    _stamp(Stamps, 0, gl.program_id(0))
+    head_block = gl.program_id(0)
+    seq = gl.program_id(1)
+    seq_len, lo, hi = split_tiles(Seq_lens, seq, 0, 1, BLOCK_N)
+    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
+    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
+                                      gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, ROPE], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [WIDE_HEADS, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, BLOCK_N], dtype))
+    ready, empty = ring_barriers(STAGES)
+    table_row = Block_table + seq.to(gl.int64) * stride_table
+    gl.warp_specialize([
+        (_probe_consumer, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
+                           seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                           stride_lh, scale_log2, Stamps)),
+        (_probe_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, Stamps,
+                           PAGE, BLOCK_N)),
+    ], [1], [PRODUCER_REGS])
+
+
+def run(batch: int, length: int, heads: int = 128) -> None:
+    q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+    latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    pool, table = latent_pool(latent, 64)
+    out = torch.empty(batch, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
+    grid = (math.ceil(heads / 64), batch)
+    stamps = torch.zeros(grid[0] * grid[1], 8, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # the last launch's stamps (the first compiles and warms)
+        stamps.zero_()
+        probe_kernel[grid](cache_descriptor(pool, 64, LATENT_DIM), cache_descriptor(pool, 64, 64), q, table, lens,
+                           out, lse, stamps, q.stride(0), q.stride(1), table.stride(0), out.stride(0),
+                           out.stride(1), lse.stride(0), lse.stride(1), SOFTMAX_SCALE * math.log2(math.e), heads,
+                           BLOCK_N=64, PAGE=64, STAGES=2, num_warps=8)
+        torch.cuda.synchronize()
+    ref_from = stamps[:, 0].min()
+    rel = (stamps - ref_from).double() / 1e3  # µs from the first program's start
+    medians = rel.median(0).values.tolist()
+    spans = (stamps[:, 4] - stamps[:, 0]).double() / 1e3
+    print(f"B{batch} L{length}: program span median {spans.median():.1f} µs, max {spans.max():.1f}; latest store "
+          f"{rel[:, 4].max():.1f} µs after the first start", flush=True)
+    print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(NAMES, medians)), flush=True)
+
+
+if __name__ == "__main__":
+    for batch, length in ((1, 64), (1, 1024), (64, 64), (64, 1024)):
+        run(batch, length)
