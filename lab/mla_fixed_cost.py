@@ -6,6 +6,8 @@ import triton
 from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
 from ioattn.ops.mla import MLAConfig, mla_paged_attention, mla_workspace
 
+
+
 @triton.jit
 def _empty(x):
     pass
@@ -32,23 +34,30 @@ def graph_us(fn, n=20):
         ts.append(a.elapsed_time(b) * 1e3 / n)
     return sorted(ts)[len(ts) // 2]
 
-x = torch.zeros(1, device="cuda")
-print(f"empty triton kernel: {graph_us(lambda: _empty[(128,)](x)):.1f} us")
-wide = dict(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon")
-KERNELS = {128: {"lockstep": MLAConfig(**wide), "seesaw": MLAConfig(**wide, seesaw=True)},
-           16: {"16h": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon")}}
-for heads, cfgs in KERNELS.items():
-    for batch, length in ((64, 64), (64, 1024), (1, 64)):
-        q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
-        latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
-        lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-        pool, table = latent_pool(latent, 64)
-        out = torch.empty(batch, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
-        for name, cfg in cfgs.items():
-            ws = mla_workspace(batch, heads, LATENT_DIM, device="cuda")
 
-            def call(cfg=cfg, ws=ws):
-                return mla_paged_attention(q, pool, table, lens, v_head_dim=LATENT_DIM, softmax_scale=SOFTMAX_SCALE,
-                                           out=out, workspace=ws, config=cfg, num_splits=1)
-            print(f"H{heads} B{batch} L{length} {name}: {graph_us(call):.1f} us (one cache, L2 warm, splits 1)",
-                  flush=True)
+def main() -> None:
+    x = torch.zeros(1, device="cuda")
+    print(f"empty triton kernel: {graph_us(lambda: _empty[(128,)](x)):.1f} us")
+    wide = dict(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon")
+    kernels = {128: {"lockstep": MLAConfig(**wide), "seesaw": MLAConfig(**wide, seesaw=True)},
+               16: {"16h": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon")}}
+    for heads, cfgs in kernels.items():
+        for batch, length in ((64, 64), (64, 1024), (1, 64)):
+            q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+            latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+            lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+            pool, table = latent_pool(latent, 64)
+            out = torch.empty(batch, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
+            for name, cfg in cfgs.items():
+                ws = mla_workspace(batch, heads, LATENT_DIM, device="cuda")
+
+                def call(cfg=cfg, ws=ws):
+                    return mla_paged_attention(q, pool, table, lens, v_head_dim=LATENT_DIM,
+                                               softmax_scale=SOFTMAX_SCALE, out=out, workspace=ws, config=cfg,
+                                               num_splits=1)
+                print(f"H{heads} B{batch} L{length} {name}: {graph_us(call):.1f} us (one cache, L2 warm, splits 1)",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
