@@ -1,16 +1,23 @@
 """How much of a short Gluon MLA decode call is fixed cost: one launch timed alone (CUDA events over a graph of N
 identical launches on ONE cache, L2 warm) against the bench's distinct caches, at B 64, 128 heads, L 64 and 1024,
-beside an empty kernel's launch. Prints µs per launch. CUDA (sm_90) only."""
+beside an empty kernel's launch. Prints µs per launch. CUDA (sm_90) only.
+
+    PYTHONPATH=. python3 lab/mla_fixed_cost.py
+"""
+
+from __future__ import annotations
+
 import torch
 import triton
+
 from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
 from ioattn.ops.mla import MLAConfig, mla_paged_attention, mla_workspace
-
 
 
 @triton.jit
 def _empty(x):
     pass
+
 
 def graph_us(fn, n=20):
     s = torch.cuda.Stream()
