@@ -94,8 +94,8 @@ GLUON_MLA_DEFAULTS = {
 }
 GLUON_MLA_MIN_BATCH = {(16, 512): 1, (128, 512): 8}
 # The 64-head kernel takes the seesaw schedule where each program walks at least this many keys (the table's
-# capacity over the split count): 1.05-1.19x the lockstep schedule from 4096, equal at 2048, 0.84-0.93x below
-# (a pair's fixed cost over few tiles; bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100).
+# capacity over the split count): 1.06-1.20x the lockstep schedule from 4096, equal at 2048, 0.76-0.96x below
+# (its fixed cost per program over few tiles; bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100).
 SEESAW_MIN_KEYS = 2048
 
 

@@ -252,8 +252,6 @@ def test_empty_and_rejected_inputs():
     assert math.isfinite(gluon_forward(q, k, v, causal=True)[1].max().item())
 
 
-
-
 def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster(monkeypatch):
     """The decision on any machine: plan() on CPU tensors with the capability and table lookups it combines."""
     import ioattn
