@@ -1,7 +1,7 @@
 """Where a 64-head Gluon MLA decode program spends its time: the lockstep wgmma kernel of
 `ioattn.kernels.gluon_mla` rebuilt here with %globaltimer stamps (ns) per program at: kernel start, Q staged, the
 first tile folded in, the last tile folded in, O and LSE stored (the consumers), and the producer's start, first
-block ids read and first tile's TMA issued. Prints each phase's median over programs, relative to the kernel's
+block ids read and last TMA issued. Prints each phase's median over programs, relative to the kernel's
 start, for B 1 and 64 at L 64 and 1024 (128 heads, latent 512 + 64, pages of 64), after one warm-up launch.
 
     PYTHONPATH=. python3 lab/gluon_mla_probe.py     # CUDA, sm_90
@@ -24,7 +24,7 @@ from ioattn.kernels.gluon_paged import PRODUCER_REGS, finish_rows, ring_barriers
 from ioattn.ops.gluon_paged import cache_descriptor
 
 SLOTS = 8
-NAMES = ["start", "Q staged", "first tile", "last tile", "stored", "producer start", "first ids", "first TMA"]
+NAMES = ["start", "Q staged", "first tile", "last tile", "stored", "producer start", "first ids", "producer done"]
 
 
 @gluon.jit
