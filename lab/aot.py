@@ -228,7 +228,7 @@ def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", 
                  scale_log2="fp32")
     constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, RELEASE_DEPENDENTS=release,
                       SEESAW=seesaw)
-    aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_ot", "stride_oh")
+    aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh")
     sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},
                          {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})

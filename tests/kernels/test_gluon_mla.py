@@ -32,6 +32,7 @@ for block_n, stages, page, maxnreg, cache, wide, seesaw in json.loads(sys.argv[1
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           release=ptx.count("griddepcontrol.launch_dependents"),
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
+                          vector_stores=ptx.count("st.global.v2"),
                           mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"))))
 """
 
@@ -64,6 +65,10 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
         assert b["setmaxnreg"] > 0 and b["tma"] > 0 and b["mma"] > 0, b
         assert b["shared"] <= 227 * 1024, b
         assert b["release"] == int(b["case"][5]), b  # the wide builds let the split combine start early
+        assert b["vector_stores"] > 0, b  # O two values per store: its base offsets are specialised as aligned
+    from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel
+
+    assert "stride_os" not in gluon_mla_decode_kernel.do_not_specialize
 
 
 def test_kernel_field_is_checked():
