@@ -46,7 +46,9 @@ def main() -> None:
     x = torch.zeros(1, device="cuda")
     print(f"empty triton kernel: {graph_us(lambda: _empty[(128,)](x)):.1f} us")
     wide = dict(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon")
-    kernels = {128: {"lockstep": MLAConfig(**wide), "seesaw": MLAConfig(**wide, seesaw=True)},
+    kernels = {128: {"lockstep": MLAConfig(**wide), "seesaw": MLAConfig(**wide, seesaw=True),
+                     "lockstep staged": MLAConfig(**wide, stage_out=True),
+                     "seesaw staged": MLAConfig(**wide, seesaw=True, stage_out=True)},
                16: {"16h": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon")}}
     for heads, cfgs in kernels.items():
         for batch, length in ((64, 64), (64, 1024), (1, 64)):

@@ -4,8 +4,8 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
-#           the MLA kernels (the seesaw default)                                                         <= 160 s
-#   mla-lab: 16 heads at half the split heuristic's count; 128 heads at short lengths (fixed cost)       <= 80 s
+#           the MLA kernels (the seesaw default, O staged through the ring)                              <= 160 s
+#   mla-lab: 128 heads with O stored through the ring's stages beside the direct store; the fixed cost <= 80 s
 #   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
@@ -44,13 +44,12 @@ gpu_test_part() {
 }
 mla_lab() {
     source "$lab/device_log.sh" mla-lab.log
-    step "16 heads: the split heuristic's count and half of it (fewer programs, no combine at one split)"
-    GLUON_MLA_TRITON=0 GLUON_MLA="64/2/0/1 64/2/0/1/half" GLUON_MLA_HEADS=16 GLUON_MLA_JSON=gluon-mla-h16-half.json \
-        GLUON_MLA_SHAPES="64x1024 32x4096 8x8192 128x1024 64x4096 1x32768" timeout 40 python3 lab/gluon_mla.py 2>&1 \
-        | grep -v Warning
-    step "128 heads, B 64 at short lengths: each kernel's fixed cost per program"
-    GLUON_MLA_TRITON=0 GLUON_MLA="w64/2/0/1 s64/2/0/1" GLUON_MLA_HEADS=128 GLUON_MLA_JSON=gluon-mla-h128-short.json \
-        GLUON_MLA_SHAPES="64x64 64x128 64x256 64x512 64x2048" timeout 35 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+    step "128 heads: O stored through the ring's stages (/staged) beside the direct store"
+    GLUON_MLA_TRITON=0 GLUON_MLA="w64/2/0/1 w64/2/0/1/staged s64/2/0/1 s64/2/0/1/staged" GLUON_MLA_HEADS=128 \
+        GLUON_MLA_JSON=gluon-mla-h128-staged.json GLUON_MLA_SHAPES="1x1024 8x4096 64x1024 128x1024 64x4096 64x8192" \
+        timeout 60 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
+    step "one launch alone: the fixed cost per program"
+    timeout 20 python3 lab/mla_fixed_cost.py 2>&1 | grep -v Warning
 }
 mla_bench() {
     source "$lab/device_log.sh" mla.log

@@ -206,8 +206,9 @@ def _wide_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, rea
 @gluon.jit
 def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
                    seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
-                   stride_lt, stride_lh, scale_log2):
-    """The 64-head consumer (two warpgroups): it moves the running max every tile."""
+                   stride_lt, stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
+    """The 64-head consumer (two warpgroups): it moves the running max every tile. STAGE_OUT: O leaves through the
+    ring's stages (`_store_staged`)."""
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -232,8 +233,31 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
                                       tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
-    store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
-               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    if STAGE_OUT:
+        _store_staged(lat_smem, Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS,
+                      num_heads - head_block * WIDE_HEADS, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                      stride_lh)
+    else:
+        store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
+                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+
+
+@gluon.jit
+def _store_staged(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh,
+                  stride_ls, stride_lt, stride_lh):
+    """store_rows through shared memory: O (in the wgmma accumulator's layout, whose warp-wide stores touch 8 rows)
+    into `staging` (ring stages no warp reads any more), then back in whole rows, 16 bytes per thread."""
+    dtype: gl.constexpr = Out.dtype.element_ty
+    ROWS: gl.constexpr = out.shape[0]
+    COLS: gl.constexpr = out.shape[1]
+    VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
+    staged = staging._reinterpret(dtype, [ROWS, COLS], gl.SwizzledSharedLayout(VEC, 1, 8, order=[1, 0]))
+    gl.thread_barrier()  # every warp of this partition is done with the stages
+    staged.store(out.to(dtype))
+    gl.thread_barrier()
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [gl.num_warps(), 1], [1, 0])
+    store_rows(Out, Lse, staged.load(rows_layout), lse, split, seq, first_head, live_rows, stride_os, stride_ot,
+               stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 # --- seesaw: 64 heads, the two warpgroups on two tiles at once (the compute-bound shapes) -------------------------
@@ -500,7 +524,7 @@ def _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, str
 @gluon.jit
 def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync,
                      seq, head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot,
-                     stride_oh, stride_ls, stride_lt, stride_lh, scale_log2):
+                     stride_oh, stride_ls, stride_lt, stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     """Consumer warpgroup `half` (0: O's left LATENT / 2 columns, 1: the right ones)."""
     LATENT: gl.constexpr = lat_smem.shape[2]
     CHUNKS: gl.constexpr = LATENT // CHUNK
@@ -541,14 +565,18 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     mbarrier.wait(sync.index(SYNC_L), 0)
     l_total = xchg[2].load(rows) + xchg[3].load(rows)
     out, lse = finish_row_sums(acc, m_i, l_total)
-    store_rows(Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head, num_heads - first_head, stride_os,
-               stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    if STAGE_OUT:  # past SYNC_L neither warpgroup reads a stage any more: each takes its own
+        _store_staged(lat_smem.index(half), Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head,
+                      num_heads - first_head, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    else:
+        store_rows(Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head, num_heads - first_head,
+                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 @gluon.jit
 def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table, stride_qt,
                    stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-                   scale_log2, LATENT: gl.constexpr, PAGE: gl.constexpr):
+                   scale_log2, LATENT: gl.constexpr, PAGE: gl.constexpr, STAGE_OUT: gl.constexpr):
     """The seesaw kernel's buffers and partitions (`gluon_mla_decode_kernel` with SEESAW)."""
     dtype: gl.constexpr = desc.dtype
     CHUNKS: gl.constexpr = LATENT // CHUNK
@@ -582,10 +610,10 @@ def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, n
     gl.warp_specialize([
         (_seesaw_consumer, (0, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
                             head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os,
-                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2)),
+                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2, STAGE_OUT)),
         (_seesaw_consumer, (1, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
                             head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os,
-                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2)),
+                            stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2, STAGE_OUT)),
         (_seesaw_producer, (desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE)),
     ], [4, 1], [SEESAW_REGS, PRODUCER_REGS])
 
@@ -599,7 +627,7 @@ def gluon_mla_decode_kernel(
     stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
-    RELEASE_DEPENDENTS: gl.constexpr = False, SEESAW: gl.constexpr = False,
+    RELEASE_DEPENDENTS: gl.constexpr = False, SEESAW: gl.constexpr = False, STAGE_OUT: gl.constexpr = False,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
@@ -624,7 +652,7 @@ def gluon_mla_decode_kernel(
                          "the seesaw kernel takes 64 heads, two stages of 64 keys and a RoPE part of 64")
         _seesaw_kernel(rope_desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table,
                        stride_qt, stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                       stride_lh, scale_log2, LATENT, PAGE)
+                       stride_lh, scale_log2, LATENT, PAGE, STAGE_OUT)
     else:
         lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
                                              gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
@@ -643,7 +671,10 @@ def gluon_mla_decode_kernel(
                          split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
                          stride_ls, stride_lt, stride_lh, scale_log2)
         if WIDE:
-            gl.warp_specialize([(_wide_consumer, consumer_args), (_producer, (
+            gl.warp_specialize([(_wide_consumer, (
+                Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len,
+                lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                stride_lh, scale_log2, STAGE_OUT)), (_producer, (
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
                 [1], [PRODUCER_REGS])
         else:

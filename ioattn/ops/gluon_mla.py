@@ -62,6 +62,8 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
         return ("config.seesaw takes block_h=64, block_n=64, num_stages=2 (a pair of tiles) and maxnreg=None (it "
                 f"sets each warpgroup's registers), got block_h={config.block_h}, block_n={config.block_n}, "
                 f"num_stages={config.num_stages}, maxnreg={config.maxnreg}")
+    if config.stage_out and config.block_h != 64:
+        return f"config.stage_out takes block_h=64 (the wgmma kernels), got block_h={config.block_h}"
     # the launch counts whole warpgroups: the consumer warps, the producer warp and the idle rest of its group
     threads = 128 * math.ceil((config.num_warps + 1) / 4)
     if config.maxnreg is not None and config.maxnreg * threads > REGISTERS:
@@ -94,6 +96,6 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
-        RELEASE_DEPENDENTS=release_dependents, SEESAW=config.seesaw,
+        RELEASE_DEPENDENTS=release_dependents, SEESAW=config.seesaw, STAGE_OUT=config.stage_out,
         num_warps=4 if config.seesaw else config.num_warps, maxnreg=config.maxnreg,  # seesaw: 4 + 4 in partitions
     )

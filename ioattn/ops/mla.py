@@ -55,15 +55,18 @@ class MLAConfig:
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
     seesaw: bool = False  # kernel "gluon" at 64 heads: the two warpgroups on two tiles at once (FlashMLA's schedule)
+    stage_out: bool = False  # kernel "gluon" at 64 heads: O stored through the ring's stages, whole rows per warp
 
     def __post_init__(self):
         check_launch_config(self)
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"MLAConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
-        if not isinstance(self.seesaw, bool):
-            raise ValueError(f"MLAConfig.seesaw must be a bool, got {self.seesaw!r}")
-        if self.seesaw and self.kernel != "gluon":
-            raise ValueError(f"MLAConfig.seesaw is a schedule of kernel='gluon', got kernel={self.kernel!r}")
+        for name in ("seesaw", "stage_out"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"MLAConfig.{name} must be a bool, got {value!r}")
+            if value and self.kernel != "gluon":
+                raise ValueError(f"MLAConfig.{name} is an option of kernel='gluon', got kernel={self.kernel!r}")
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:

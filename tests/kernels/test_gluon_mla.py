@@ -10,6 +10,7 @@ NaN, NaN in the stale slots past seq_len, CUDA-graph replay with new lengths and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,15 +25,17 @@ from ioattn.reference import TOLERANCE, lse_error, rel_error
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for block_n, stages, page, maxnreg, cache, wide, seesaw in json.loads(sys.argv[1]):
-    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, release=wide, seesaw=seesaw)
+for block_n, stages, page, maxnreg, cache, wide, seesaw, staged in json.loads(sys.argv[1]):
+    kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, release=wide, seesaw=seesaw,
+                                  stage_out=staged)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, seesaw],
+    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, seesaw, staged],
                           cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           release=ptx.count("griddepcontrol.launch_dependents"),
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
-                          vector_stores=ptx.count("st.global.v2"),
+                          vector_stores=ptx.count("st.global.v2") + ptx.count("st.global.v4"),
+                          row_stores=ptx.count("st.global.v4"),
                           mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"))))
 """
 
@@ -44,7 +47,11 @@ GLUON = dict(default=DEFAULT,
              wgmma=GLUON_MLA_DEFAULTS[(128, 512)],
              wgmma_deep=MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=3, kernel="gluon"),
              seesaw=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
-                              seesaw=True))
+                              seesaw=True),
+             # O through the ring's stages (not yet a default: written without a GPU, 2026-12-07)
+             wgmma_staged=dataclasses.replace(GLUON_MLA_DEFAULTS[(128, 512)], stage_out=True),
+             seesaw_staged=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
+                                     seesaw=True, stage_out=True))
 
 
 def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measured():
@@ -52,10 +59,11 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
     # little and were still the fastest (bench/results/2026-12-06-gluon-mla-h100); the 32-key tiles spill nothing
     # the seesaw kernel spills loop-invariant chunk descriptors of warpgroup 0 (the default partition: it also holds
     # the kernel's arguments), reloaded from L1 once per chunk
-    cases = {(64, 2, 64, None, "bf16", False, False): 8, (64, 2, 16, None, "fp16", False, False): 8,
-             (32, 2, 64, 128, "bf16", False, False): 0, (32, 3, 128, 128, "bf16", False, False): 0,
-             (64, 2, 64, None, "bf16", True, False): 96, (32, 3, 64, None, "bf16", True, False): 8,
-             (64, 2, 64, None, "bf16", True, True): 344, (64, 2, 16, None, "fp16", True, True): 360}
+    cases = {(64, 2, 64, None, "bf16", False, False, False): 8, (64, 2, 16, None, "fp16", False, False, False): 8,
+             (32, 2, 64, 128, "bf16", False, False, False): 0, (32, 3, 128, 128, "bf16", False, False, False): 0,
+             (64, 2, 64, None, "bf16", True, False, False): 96, (32, 3, 64, None, "bf16", True, False, False): 8,
+             (64, 2, 64, None, "bf16", True, True, False): 344, (64, 2, 16, None, "fp16", True, True, False): 360,
+             (64, 2, 64, None, "bf16", True, False, True): 96, (64, 2, 64, None, "bf16", True, True, True): 336}
     builds = build_records(_AOT_SCRIPT, json.dumps([list(c) for c in cases]))
     assert [tuple(b["case"]) for b in builds] == list(cases)
     for b in builds:
@@ -66,6 +74,7 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
         assert b["shared"] <= 227 * 1024, b
         assert b["release"] == int(b["case"][5]), b  # the wide builds let the split combine start early
         assert b["vector_stores"] > 0, b  # O two values per store: its base offsets are specialised as aligned
+        assert (b["row_stores"] > 0) == b["case"][7], b  # staged: 16 bytes per thread, whole rows per warp
     from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel
 
     assert "stride_os" not in gluon_mla_decode_kernel.do_not_specialize
@@ -74,10 +83,11 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
 def test_kernel_field_is_checked():
     with pytest.raises(ValueError, match="MLAConfig.kernel must be 'triton' or 'gluon'"):
         MLAConfig(kernel="cuda")
-    with pytest.raises(ValueError, match="MLAConfig.seesaw is a schedule of kernel='gluon'"):
-        MLAConfig(seesaw=True)
-    with pytest.raises(ValueError, match="MLAConfig.seesaw must be a bool"):
-        MLAConfig(kernel="gluon", seesaw=1)
+    for name in ("seesaw", "stage_out"):
+        with pytest.raises(ValueError, match=f"MLAConfig.{name} is an option of kernel='gluon'"):
+            MLAConfig(**{name: True})
+        with pytest.raises(ValueError, match=f"MLAConfig.{name} must be a bool"):
+            MLAConfig(kernel="gluon", **{name: 1})
 
 
 def _decode_call(**change):
@@ -124,6 +134,7 @@ def test_every_refusal_names_what_the_kernel_takes(change, why):
     (dict(block_h=64, block_m=64, num_warps=8, maxnreg=200), "at most 168, or None"),
     (dict(block_h=64, block_m=64, num_warps=8, block_n=32, seesaw=True), "config.seesaw takes block_h=64"),
     (dict(block_h=64, block_m=64, num_warps=8, block_n=64, maxnreg=160, seesaw=True), "and maxnreg=None"),
+    (dict(stage_out=True), "config.stage_out takes block_h=64"),
 ])
 def test_configs_it_cannot_build_are_named(change, why):
     from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
@@ -175,6 +186,10 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.bfloat16, 128, 64, "seesaw"),
     (torch.float16, 40, 16, "seesaw"),
     (torch.bfloat16, 72, 128, "seesaw"),  # two programs, the second 8 heads and 56 rows of padding
+    (torch.bfloat16, 128, 64, "wgmma_staged"),
+    (torch.float16, 40, 16, "wgmma_staged"),
+    (torch.bfloat16, 128, 64, "seesaw_staged"),
+    (torch.float16, 72, 16, "seesaw_staged"),
 ])
 def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
     for splits in (1, 3, 0):
@@ -258,7 +273,7 @@ def test_rising_scores_take_the_conditional_rescale_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "wgmma", "seesaw"])
+@pytest.mark.parametrize("config", ["default", "wgmma", "seesaw", "seesaw_staged"])
 def test_dependent_combine_after_the_gluon_kernel_on_gpu(config):
     seq_lens = [900, 40, 0, 333]
     cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda")
