@@ -324,7 +324,6 @@ def _seesaw_producer(desc, lat_smem, rope_smem, ready, empty, table_row, seq_len
     """One warp: per pair of tiles, each stage's halves in the order their readers release them (stage 0's early
     half, stage 1's early half, then the late halves); a last unpaired tile fills stage 0 only."""
     HALF: gl.constexpr = lat_smem.shape[2] // CHUNK // 2
-    CHUNKS: gl.constexpr = 2 * HALF
     PAGES: gl.constexpr = (SEESAW_TILE + PAGE - 1) // PAGE
     ids_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [1], [0])
     ready0, ready1 = ready
