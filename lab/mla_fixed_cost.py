@@ -49,7 +49,9 @@ def main() -> None:
     kernels = {128: {"lockstep": MLAConfig(**wide), "seesaw": MLAConfig(**wide, seesaw=True),
                      "lockstep staged": MLAConfig(**wide, stage_out=True),
                      "seesaw staged": MLAConfig(**wide, seesaw=True, stage_out=True)},
-               16: {"16h": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon")}}
+               16: {"16h": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
+                    "16h staged": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2,
+                                            kernel="gluon", stage_out=True)}}
     for heads, cfgs in kernels.items():
         for batch, length in ((64, 64), (64, 1024), (1, 64)):
             q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")

@@ -136,9 +136,27 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
 
 
 @gluon.jit
+def _store_staged(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh,
+                  stride_ls, stride_lt, stride_lh):
+    """store_rows through shared memory: O (in the wgmma accumulator's layout, whose warp-wide stores touch 8 rows)
+    into `staging` (ring stages no warp reads any more), then back in whole rows, 16 bytes per thread."""
+    dtype: gl.constexpr = Out.dtype.element_ty
+    ROWS: gl.constexpr = out.shape[0]
+    COLS: gl.constexpr = out.shape[1]
+    VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
+    staged = staging._reinterpret(dtype, [ROWS, COLS], gl.SwizzledSharedLayout(VEC, 1, 8, order=[1, 0]))
+    gl.thread_barrier()  # every warp of this partition is done with the stages
+    staged.store(out.to(dtype))
+    gl.thread_barrier()
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [gl.num_warps(), 1], [1, 0])
+    store_rows(Out, Lse, staged.load(rows_layout), lse, split, seq, first_head, live_rows, stride_os, stride_ot,
+               stride_oh, stride_ls, stride_lt, stride_lh)
+
+
+@gluon.jit
 def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
               seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-              stride_lh, scale_log2):
+              stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -161,8 +179,13 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
                                         tile - lo, tile, seq_len, scale_log2, mma, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
-    store_rows(Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M, stride_os,
-               stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    if STAGE_OUT:
+        _store_staged(lat_smem, Out, Lse, out, lse, split, seq, head_block * BLOCK_M,
+                      num_heads - head_block * BLOCK_M, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                      stride_lh)
+    else:
+        store_rows(Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M, stride_os,
+                   stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 # --- 64 heads per program on wgmma (the compute-bound shapes: 128 heads at TP 1) --------------------------------
@@ -240,24 +263,6 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
     else:
         store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
                    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
-
-
-@gluon.jit
-def _store_staged(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh,
-                  stride_ls, stride_lt, stride_lh):
-    """store_rows through shared memory: O (in the wgmma accumulator's layout, whose warp-wide stores touch 8 rows)
-    into `staging` (ring stages no warp reads any more), then back in whole rows, 16 bytes per thread."""
-    dtype: gl.constexpr = Out.dtype.element_ty
-    ROWS: gl.constexpr = out.shape[0]
-    COLS: gl.constexpr = out.shape[1]
-    VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
-    staged = staging._reinterpret(dtype, [ROWS, COLS], gl.SwizzledSharedLayout(VEC, 1, 8, order=[1, 0]))
-    gl.thread_barrier()  # every warp of this partition is done with the stages
-    staged.store(out.to(dtype))
-    gl.thread_barrier()
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [gl.num_warps(), 1], [1, 0])
-    store_rows(Out, Lse, staged.load(rows_layout), lse, split, seq, first_head, live_rows, stride_os, stride_ot,
-               stride_oh, stride_ls, stride_lt, stride_lh)
 
 
 # --- seesaw: 64 heads, the two warpgroups on two tiles at once (the compute-bound shapes) -------------------------
@@ -665,10 +670,7 @@ def gluon_mla_decode_kernel(
                                            gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
         ready, empty = ring_barriers(STAGES)
         table_row = Block_table + seq.to(gl.int64) * stride_table
-        # (a tuple held in a variable loses its constexprs: the producer's stay written out)
-        consumer_args = (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block,
-                         split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
-                         stride_ls, stride_lt, stride_lh, scale_log2)
+        # (a tuple held in a variable loses its constexprs: each partition's arguments are written out)
         if WIDE:
             gl.warp_specialize([(_wide_consumer, (
                 Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len,
@@ -677,6 +679,9 @@ def gluon_mla_decode_kernel(
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
                 [1], [PRODUCER_REGS])
         else:
-            gl.warp_specialize([(_consumer, consumer_args), (_producer, (
+            gl.warp_specialize([(_consumer, (
+                Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len,
+                lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                stride_lh, scale_log2, STAGE_OUT)), (_producer, (
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
                 [1], [PRODUCER_REGS])

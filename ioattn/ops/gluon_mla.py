@@ -62,8 +62,6 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
         return ("config.seesaw takes block_h=64, block_n=64, num_stages=2 (a pair of tiles) and maxnreg=None (it "
                 f"sets each warpgroup's registers), got block_h={config.block_h}, block_n={config.block_n}, "
                 f"num_stages={config.num_stages}, maxnreg={config.maxnreg}")
-    if config.stage_out and config.block_h != 64:
-        return f"config.stage_out takes block_h=64 (the wgmma kernels), got block_h={config.block_h}"
     # the launch counts whole warpgroups: the consumer warps, the producer warp and the idle rest of its group
     threads = 128 * math.ceil((config.num_warps + 1) / 4)
     if config.maxnreg is not None and config.maxnreg * threads > REGISTERS:
