@@ -379,6 +379,12 @@ MLA_CONFIGS = {
     "gluon": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
     "gluon_wgmma": MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
     "gluon_block_n_16": MLAConfig(block_h=16, block_m=16, block_n=16, kernel="gluon"),
+    "gluon_seesaw": MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
+                              seesaw=True),
+    "gluon_staged": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon",
+                              stage_out=True),
+    "gluon_seesaw_block_n_32": MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=2,
+                                         kernel="gluon", seesaw=True),
 }
 
 

@@ -85,16 +85,22 @@ def _zero_stale_rows(lat, tile, seq_len):
 
 
 @gluon.jit
-def _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout: gl.constexpr):
-    """The queries of heads first_head.. of sequence `seq` to shared memory: the latent part and the RoPE part of
-    each row (rows past num_heads as 0)."""
+def _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout: gl.constexpr,
+             first: gl.constexpr = 0, count: gl.constexpr = 0, WITH_ROPE: gl.constexpr = True):
+    """The queries of heads first_head.. of sequence `seq` to shared memory (rows past num_heads as 0): latent
+    chunks first .. first + count of 64 columns (count 0: all of them) and, WITH_ROPE, the RoPE part; every load
+    is issued before the first store (one global latency)."""
     LATENT: gl.constexpr = q_lat.shape[1]
+    COLS: gl.constexpr = count * CHUNK if count else LATENT
     heads = first_head + gl.arange(0, q_lat.shape[0], layout=gl.SliceLayout(1, q_layout))
     q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, q_layout))
-    q_lat.store(gl.load(q_row + q_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
-    r_cols = gl.arange(0, q_rope.shape[1], layout=gl.SliceLayout(0, q_layout))
-    q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=(heads < num_heads)[:, None], other=0.0))
+    live = (heads < num_heads)[:, None]
+    q_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, q_layout))
+    lat = gl.load(q_row + first * CHUNK + q_cols[None, :], mask=live, other=0.0)
+    if WITH_ROPE:
+        r_cols = gl.arange(0, q_rope.shape[1], layout=gl.SliceLayout(0, q_layout))
+        q_rope.store(gl.load(q_row + LATENT + r_cols[None, :], mask=live, other=0.0))
+    q_lat.slice(first * CHUNK, COLS, dim=1).store(lat)
 
 
 @gluon.jit
@@ -136,21 +142,20 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
 
 
 @gluon.jit
-def _store_staged(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh,
-                  stride_ls, stride_lt, stride_lh):
-    """store_rows through shared memory: O (in the wgmma accumulator's layout, whose warp-wide stores touch 8 rows)
-    into `staging` (ring stages no warp reads any more), then back in whole rows, 16 bytes per thread."""
-    dtype: gl.constexpr = Out.dtype.element_ty
-    ROWS: gl.constexpr = out.shape[0]
-    COLS: gl.constexpr = out.shape[1]
-    VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
-    staged = staging._reinterpret(dtype, [ROWS, COLS], gl.SwizzledSharedLayout(VEC, 1, 8, order=[1, 0]))
-    gl.thread_barrier()  # every warp of this partition is done with the stages
-    staged.store(out.to(dtype))
-    gl.thread_barrier()
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [gl.num_warps(), 1], [1, 0])
-    store_rows(Out, Lse, staged.load(rows_layout), lse, split, seq, first_head, live_rows, stride_os, stride_ot,
-               stride_oh, stride_ls, stride_lt, stride_lh)
+def _store_out(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh,
+               stride_ls, stride_lt, stride_lh, STAGED: gl.constexpr):
+    """store_rows, or STAGED: through shared memory, O (in the accumulator's layout, whose warp-wide stores touch 8
+    rows) into `staging` (ring stages no warp reads any more), then back in whole rows, 16 bytes per thread."""
+    if STAGED:
+        dtype: gl.constexpr = Out.dtype.element_ty
+        VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
+        staged = staging._reinterpret(dtype, out.shape, gl.SwizzledSharedLayout(VEC, 1, 8, order=[1, 0]))
+        gl.thread_barrier()  # every warp of this partition is done with the stages
+        staged.store(out.to(dtype))
+        gl.thread_barrier()
+        out = staged.load(gl.BlockedLayout([1, VEC], [1, 32], [gl.num_warps(), 1], [1, 0]))
+    store_rows(Out, Lse, out, lse, split, seq, first_head, live_rows, stride_os, stride_ot, stride_oh, stride_ls,
+               stride_lt, stride_lh)
 
 
 @gluon.jit
@@ -179,13 +184,8 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
                                         tile - lo, tile, seq_len, scale_log2, mma, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
-    if STAGE_OUT:
-        _store_staged(lat_smem, Out, Lse, out, lse, split, seq, head_block * BLOCK_M,
-                      num_heads - head_block * BLOCK_M, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                      stride_lh)
-    else:
-        store_rows(Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M, stride_os,
-                   stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    _store_out(lat_smem, Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M,
+               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, STAGE_OUT)
 
 
 # --- 64 heads per program on wgmma (the compute-bound shapes: 128 heads at TP 1) --------------------------------
@@ -231,7 +231,7 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
                    seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls,
                    stride_lt, stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     """The 64-head consumer (two warpgroups): it moves the running max every tile. STAGE_OUT: O leaves through the
-    ring's stages (`_store_staged`)."""
+    ring's stages (`_store_out`)."""
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -256,13 +256,8 @@ def _wide_consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, read
                                       tile - lo, tile, seq_len, scale_log2, s_layout, o_layout, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
-    if STAGE_OUT:
-        _store_staged(lat_smem, Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS,
-                      num_heads - head_block * WIDE_HEADS, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                      stride_lh)
-    else:
-        store_rows(Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
-                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    _store_out(lat_smem, Out, Lse, out, lse, split, seq, head_block * WIDE_HEADS, num_heads - head_block * WIDE_HEADS,
+               stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, STAGE_OUT)
 
 
 # --- seesaw: 64 heads, the two warpgroups on two tiles at once (the compute-bound shapes) -------------------------
@@ -507,25 +502,6 @@ def _seesaw_pair(half: gl.constexpr, acc, m_i, l_i, q_lat, q_rope, lat_smem, rop
 
 
 @gluon.jit
-def _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, first: gl.constexpr,
-                    count: gl.constexpr, WITH_ROPE: gl.constexpr):
-    """64-column chunks first .. first + count of the 64 heads' queries (and their RoPE part) to shared memory,
-    rows past num_heads as 0: every load issued before the first store (one global latency, not one per chunk)."""
-    LATENT: gl.constexpr = q_lat.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    heads = first_head + gl.arange(0, WIDE_HEADS, layout=gl.SliceLayout(1, layout))
-    q_row = Q + seq.to(gl.int64) * stride_qt + heads[:, None] * stride_qh
-    live = (heads < num_heads)[:, None]
-    cols = gl.arange(0, count * CHUNK, layout=gl.SliceLayout(0, layout))
-    lat = gl.load(q_row + first * CHUNK + cols[None, :], mask=live, other=0.0)
-    if WITH_ROPE:
-        rope_cols = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
-        rope = gl.load(q_row + LATENT + rope_cols[None, :], mask=live, other=0.0)
-        q_rope.store(rope)
-    q_lat.slice(first * CHUNK, count * CHUNK, dim=1).store(lat)
-
-
-@gluon.jit
 def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync,
                      seq, head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot,
                      stride_oh, stride_ls, stride_lt, stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
@@ -541,8 +517,9 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     first_head = head_block * WIDE_HEADS
     # each warpgroup stages half of Q's latent chunks (warpgroup 0 the RoPE part too), then waits for the other
-    _stage_q_chunks(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, half * (CHUNKS // 2),
-                    CHUNKS // 2, half == 0)
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout, half * (CHUNKS // 2),
+             CHUNKS // 2, half == 0)
     _publish(sync, SYNC_Q, True)
     mbarrier.wait(sync.index(SYNC_Q), 0)
 
@@ -569,12 +546,9 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     mbarrier.wait(sync.index(SYNC_L), 0)
     l_total = xchg[2].load(rows) + xchg[3].load(rows)
     out, lse = finish_row_sums(acc, m_i, l_total)
-    if STAGE_OUT:  # past SYNC_L neither warpgroup reads a stage any more: each takes its own
-        _store_staged(lat_smem.index(half), Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head,
-                      num_heads - first_head, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
-    else:
-        store_rows(Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head, num_heads - first_head,
-                   stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh)
+    # past SYNC_L neither warpgroup reads a stage any more: each stages its half of O in its own
+    _store_out(lat_smem.index(half), Out + half * (LATENT // 2), Lse, out, lse, split, seq, first_head,
+               num_heads - first_head, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, STAGE_OUT)
 
 
 @gluon.jit

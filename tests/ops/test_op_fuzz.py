@@ -213,8 +213,10 @@ def mla_cases(draw):
         lens=st.just("ok"), cu_q=st.just("ok"), extra_query=st.just(False), backend=BACKENDS,
         config=st.sampled_from([None, "triton"]),
     ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, page=st.sampled_from([3, 512]), scale=BAD_SCALES,
-            # the Gluon MLA decode takes none of these latents (nor a CPU); block_n 16 it cannot build at all
-            config=st.sampled_from(["gluon", "gluon_wgmma", "gluon_block_n_16"]),
+            # the Gluon MLA decode takes none of these latents (nor a CPU); block_n 16, or a seesaw of 32-key
+            # tiles, it cannot build at all
+            config=st.sampled_from(["gluon", "gluon_wgmma", "gluon_block_n_16", "gluon_seesaw", "gluon_staged",
+                                    "gluon_seesaw_block_n_32"]),
             splits=st.sampled_from([-1, 65, 1.0]), v_head_dim=st.sampled_from([0, 7, 2048, "all", None]),
             q_extra=st.sampled_from([8, -8]), heads=st.sampled_from([0]),
             table=st.sampled_from(["oob", "num_blocks", "negative", "evicted", "transposed"]),
@@ -338,12 +340,14 @@ KNOWN_CASES = [
     *[dict(op="paged_attention", seed=14, dtype="bfloat16", batch=2, seq_lens=[30, 7], q_lens=None, page=16, Hkv=2,
            group=4, D=32, window=(-1, -1), sinks=0, splits=0, gather=None, table="ok", lens="ok", cu_q="ok",
            config=config) for config in ("triton", "gluon", "gluon_block_n_16")],
-    # mla_paged_attention's config= likewise: the Gluon MLA decode at 16 and 64 heads per program refused by name
-    # (no sm_90 here, or latent 32 with RoPE 16), a Gluon tile of 16 keys everywhere.
+    # mla_paged_attention's config= likewise: the Gluon MLA decode at 16 and 64 heads per program (lockstep, seesaw,
+    # O staged) refused by name (no sm_90 here, or latent 32 with RoPE 16); a Gluon tile of 16 keys, or a seesaw of
+    # 32-key tiles, everywhere.
     *[dict(op="mla_paged_attention", seed=15, dtype="bfloat16", batch=2, seq_lens=[30, 7], q_lens=None, page=16,
            latent=32, rope=16, heads=16, v_head_dim=32, q_extra=0, scale=None, splits=0, table="ok", lens="ok",
            cu_q="ok", backend="auto", config=config)
-      for config in ("triton", "gluon", "gluon_wgmma", "gluon_block_n_16")],
+      for config in ("triton", "gluon", "gluon_wgmma", "gluon_block_n_16", "gluon_seesaw", "gluon_staged",
+                     "gluon_seesaw_block_n_32")],
     # A softmax row one-hot to 3.5e-7: dq cancels to far below its summands, which float32 rounds in any backward
     # (the gradient checks add float32's tolerance of those summands' magnitude).
     dict(op="flash_attn_func", seed=3, dtype="float16", B=1, Nq=1, Nk=2, D=72, causal=False, window=(-1, -1),
