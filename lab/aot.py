@@ -132,9 +132,9 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
 
 
 def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None, window=False,
-                         varlen=False):
+                         varlen=False, **override):
     """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
-    dim unless stages / block_n are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales;
+    dim unless stages / block_n / other GluonConfig fields in override are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales;
     window: a sliding window bounded on both sides; varlen: packed sequences (cu_seqlens)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -153,8 +153,8 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
 
     types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
                  o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
-    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages)
-    constexprs = dict(LEFT=window, RIGHT=causal or window, BLOCK_N=block_n, STAGES=stages,
+    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages, **override)
+    constexprs = dict(CONSUMERS=cfg.consumers, LEFT=window, RIGHT=causal or window, BLOCK_N=block_n, STAGES=stages,
                       RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen,
                       BAND=cfg.band)

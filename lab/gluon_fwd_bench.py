@@ -37,7 +37,7 @@ CONFIG_VARIANTS = {64: [(64, 4), (256, 2)], 128: [(64, 4), (64, 3)], 256: [(32, 
 TOKENS = 16384
 
 
-def _backends(variants: bool, configs: bool) -> dict:
+def _backends(variants: bool, configs: bool, bands: list[int], named: list[str]) -> dict:
     import ioattn
     from ioattn.ops.gluon_forward import gluon_config, gluon_forward
 
@@ -68,6 +68,11 @@ def _backends(variants: bool, configs: bool) -> dict:
     if variants:
         backends.update({"gluon-no-pingpong": gluon(pingpong=False),
                          "gluon-rescale-conditional": gluon(rescale_threshold=8.0)})
+    for band in bands:
+        backends[f"gluon-band{band}"] = gluon(band=band)
+    for spec in named:  # NAME:field=value,... over the head dim's GluonConfig
+        name, _, fields = spec.partition(":")
+        backends[f"gluon-{name}"] = gluon(**{f: int(v) for f, v in (kv.split("=") for kv in fields.split(","))})
     if configs:
         for d, shapes in CONFIG_VARIANTS.items():
             for block_n, stages in shapes:
@@ -87,6 +92,11 @@ def main() -> int:
     p.add_argument("--variants", action="store_true",
                    help="also time the kernel without ping-pong and with an unconditional rescale")
     p.add_argument("--configs", action="store_true", help="also time other (block_n, stages) per head dim")
+    p.add_argument("--bands", default="", help="also time the persistent kernel with these bands (e.g. 32,64)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="also time the kernel with these GluonConfig fields: NAME:field=int,... (repeatable)")
+    p.add_argument("--only", default="", help="time only these backends (comma-separated names)")
+    p.add_argument("--seqlens", default="", help="rows of these N only")
     p.add_argument("--head-dims", default="128,64,256", help="rows of these head dims only")
     p.add_argument("--budget-s", type=float, default=85.0, help="stop between rows past this many seconds")
     args = p.parse_args()
@@ -106,11 +116,14 @@ def main() -> int:
 
     results["ceilings"] = harness.measure_ceilings("cuda", [torch.bfloat16])
     save()
-    backends = _backends(args.variants, args.configs)
+    backends = _backends(args.variants, args.configs, [int(b) for b in args.bands.split(",") if b], args.variant)
+    if args.only:
+        backends = {name: fn for name, fn in backends.items() if name in args.only.split(",")}
+    seqlens = {int(n) for n in args.seqlens.split(",") if n}
     head_dims = {int(d) for d in args.head_dims.split(",")}
     dtype = torch.bfloat16
     for d, n, causal, hq, hkv in SHAPES:
-        if d not in head_dims:
+        if d not in head_dims or (seqlens and n not in seqlens):
             continue
         if time.time() - started > args.budget_s:
             results["not_run"] = results.get("not_run", []) + [[d, n, causal, hq, hkv]]

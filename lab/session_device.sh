@@ -8,6 +8,8 @@
 #   mla-lab: 128 and 16 heads with O stored through the ring's stages beside the direct store; the
 #           fixed cost per program                                                                        <= 130 s
 #   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
+#   d64:    the Gluon forward with three consumer warpgroups at D 64 beside two, Triton and cuDNN       <= 120 s
+#   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
@@ -63,6 +65,21 @@ mla_bench() {
         > "$OUT/mla-decode.txt" 2>&1
     echo "bench exit $?"; grep -E "^Bar|^\|" "$OUT/mla-decode.txt" | cut -c1-300 | tail -60
 }
+band_sweep() {
+    source "$lab/device_log.sh" bands.log
+    step "the Gluon forward's work-tile order: bands of 16 (the default), 32, 64, 128 query blocks, beside cuDNN"
+    timeout 110 python3 lab/gluon_fwd_bench.py --bands 32,64,128 --head-dims 128,256 --seqlens 8192,16384 \
+        --only gluon,gluon-band32,gluon-band64,gluon-band128,torch-cudnn --budget-s 90 2>&1 | grep -v Warning | cut -c1-200
+}
+d64_consumers() {
+    source "$lab/device_log.sh" d64.log
+    step "D 64: three consumer warpgroups (192 query rows per work tile) beside two, the Triton forward and cuDNN"
+    local c3="consumers=3,maxnreg=128,consumer_regs=160"
+    timeout 110 python3 lab/gluon_fwd_bench.py --head-dims 64 --variant "c3n64:$c3,block_n=64,stages=4" \
+        --variant "c3n64s6:$c3,block_n=64,stages=6" --variant "c3n128:$c3,block_n=128,stages=3" \
+        --only gluon,gluon-c3n64,gluon-c3n64s6,gluon-c3n128,ioattn,torch-cudnn --budget-s 90 2>&1 | grep -v Warning \
+        | cut -c1-200
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -78,6 +95,8 @@ else
 fi
 run_part tests 160 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
+run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"
+run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))
 if (( left >= 90 )); then

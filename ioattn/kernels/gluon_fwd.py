@@ -53,7 +53,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E = 1.4426950408889634
 _LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
-CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program, each with its own BLOCK_M-row Q tile
 
 
 @gluon.jit
@@ -95,6 +94,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     box_q: gl.constexpr = [1, BLOCK_M, 1, q_smem.shape[2]]
     box_kv: gl.constexpr = [1, BLOCK_N, 1, k_smem.shape[2]]
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8  # then V is transposed: [STAGES, D, BLOCK_N]
     it = 0  # K/V tiles loaded so far: the ring's position and phase
     t_local = 0  # work tiles of this program so far: the Q barriers' phase
@@ -173,18 +173,21 @@ def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.con
 
 @gluon.jit
 def _take_turn(turns, c: gl.constexpr, slot, PINGPONG: gl.constexpr):
-    """Ping-pong: the consumers issue their wgmmas in alternation (consumer 0 first), so one warpgroup's
-    softmax runs while the other's matmuls hold the tensor cores. Consumer 1's slot k waits for consumer 0 to
-    hand over slot k; consumer 0's slot k for consumer 1 to hand over slot k - 1 (a fresh barrier lets slot 0
+    """Ping-pong: the consumers issue their wgmmas in turn (0, 1, .., 0, ..), so one warpgroup's softmax runs
+    while another's matmuls hold the tensor cores. Consumer c > 0's slot k waits for consumer c - 1 to hand over
+    slot k; consumer 0's slot k for the last consumer to hand over slot k - 1 (a fresh barrier lets slot 0
     through)."""
     if PINGPONG:
-        mbarrier.wait(turns.index(c), (slot & 1) ^ (1 - c))
+        if c == 0:
+            mbarrier.wait(turns.index(c), (slot & 1) ^ 1)
+        else:
+            mbarrier.wait(turns.index(c), slot & 1)
 
 
 @gluon.jit
 def _pass_turn(turns, c: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        mbarrier.arrive(turns.index(1 - c), count=1)
+        mbarrier.arrive(turns.index((c + 1) % turns.shape[0]), count=1)
 
 
 @gluon.jit
@@ -246,6 +249,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     # FP8: e4m3 Q, K and V (V transposed in shared memory), block scales, P rounded to e4m3 x 2**8, each tile's
     # P·V in a fresh accumulator added to O with the tile's V scale (two-level accumulation)
@@ -466,13 +470,14 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
                      scale_block=1, scale_blocks_q=1, scale_blocks_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
-                     BAND: gl.constexpr = 1):
+                     BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
     are bounded (causal: RIGHT with window_right = 0), by window_left / window_right >= 0 keys, aligned
     bottom-right. SEPARATE_O: O is staged in a buffer of its own (else in Q's). BAND: the work tiles' order
-    (`_tile_coords`).
+    (`_tile_coords`). CONSUMERS: 2 or 3 consumer warpgroups, each with its own BLOCK_M-row Q tile (a work tile is
+    CONSUMERS x BLOCK_M rows; n_m_blocks counts those).
     FP8 (e4m3 q, k, v descriptors; o 16-bit; SEPARATE_O): v's descriptor is over V transposed (B, Hkv, D, keys)
     with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k),
     float32 contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
@@ -524,13 +529,29 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         seqs = (LSE, LSE, LSE, 0, 0, 0)  # unread
 
     # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
-    gl.warp_specialize([
-        (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
-        (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                     n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                     RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
-                     n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "2 or 3 consumer warpgroups")
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
+            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
+                         n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
+            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
+            (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
+                         n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -39,6 +39,9 @@ class GluonConfig:
     # _tile_coords), so the running tiles share K/V in L2; 1 (every (batch, head) of one query block before the
     # next) was 0.64x cuDNN at D128 N2k on an H100, 16 0.97x (bench/results/2026-12-07-mla-seesaw-fwd-band-h100)
     band: int = 16
+    # consumer warpgroups, each with its own 64-row Q tile sharing every K/V tile: 3 (192 query rows per work tile,
+    # as FA3 at D 64) reads K/V through shared memory a third less often per row; registers allow it at D <= 64
+    consumers: int = 2
 
     def __post_init__(self):
         check_launch_config(self)
@@ -51,6 +54,8 @@ class GluonConfig:
             value = getattr(self, name)
             if not (whole(value) and 24 <= value <= 256 and value % 8 == 0):
                 raise ValueError(f"GluonConfig.{name} must be a multiple of 8 in 24..256, got {value!r}")
+        if self.consumers not in (2, 3) or not whole(self.consumers):
+            raise ValueError(f"GluonConfig.consumers must be 2 or 3 (consumer warpgroups), got {self.consumers!r}")
         if not (whole(self.band) and self.band >= 1):
             raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
@@ -78,7 +83,7 @@ def separate_o(head_dim: int, cfg: GluonConfig, element_bytes: int = 2, fp8: boo
     work tile's Q loads while O is stored; the fp8 forward always has one (its O is 16-bit, its Q is not)."""
     if fp8:
         return True
-    tiles = 2 * 2 * BLOCK_M * head_dim + cfg.stages * 2 * cfg.block_n * head_dim  # Q, O, the ring
+    tiles = 2 * cfg.consumers * BLOCK_M * head_dim + cfg.stages * 2 * cfg.block_n * head_dim  # Q, O, the ring
     return tiles * element_bytes + BARRIER_BYTES <= HOPPER_SHARED_MEMORY
 
 
@@ -221,7 +226,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     q (B, Nq, Hq, D), k (B, Nk, Hkv, D) e4m3, vt V's codes transposed (B, Hkv, D, Nk' >= Nk, a multiple of 16),
     scales (q (B, Hq, nq), k (B, Hkv, nk), v (B, Hkv, nk), block) float32, block a multiple of the config's
     block_n; writes out (16-bit, like q's shape) and lse (B, Hq, Nq)."""
-    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
@@ -229,13 +234,13 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     if cfg.rescale_threshold > 0:  # P x 2**8 below 2**threshold x 2**8 must stay under e4m3's 448
         raise ValueError(f"config.rescale_threshold must be 0 for the fp8 forward, got {cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
-    m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
+    m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
-        BAND=cfg.band,
+        BAND=cfg.band, CONSUMERS=cfg.consumers,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -273,17 +278,17 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         lse.fill_(float("-inf"))
         return out, lse
 
-    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
     cfg = gluon_config(d) if config is None else config
-    m_blocks = triton.cdiv(n_q, CONSUMERS.value * BLOCK_M)
+    m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
         lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0), scale * LOG2E,
         LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        CONSUMERS=cfg.consumers, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -306,10 +311,10 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         lse.fill_(float("-inf"))
         return
 
-    from ioattn.kernels.gluon_fwd import CONSUMERS, LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
     cfg = gluon_config(d) if config is None else config
-    m_blocks = max(triton.cdiv(max_seqlen_q, CONSUMERS.value * BLOCK_M), 1)
+    m_blocks = max(triton.cdiv(max_seqlen_q, cfg.consumers * BLOCK_M), 1)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q4, BLOCK_M), _descriptor(k4, cfg.block_n), _descriptor(v4, cfg.block_n),
         _descriptor(out4, BLOCK_M), lse, max_seqlen_q, 0, hq, hq // k.shape[1], batch * hq, m_blocks,
@@ -318,6 +323,7 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
-        stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, num_warps=cfg.num_warps,
+        stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, CONSUMERS=cfg.consumers,
+        num_warps=cfg.num_warps,
         maxnreg=cfg.maxnreg,
     )

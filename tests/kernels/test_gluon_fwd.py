@@ -18,7 +18,7 @@ import pytest
 import torch
 from sm90_builds import build_records
 
-from ioattn.ops.gluon_forward import fp8_gluon_config, gluon_config, gluon_forward, separate_o
+from ioattn.ops.gluon_forward import fp8_gluon_config, gluon_config, gluon_forward, gluon_forward_packed, separate_o
 from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 
 _AOT_SCRIPT = """
@@ -44,6 +44,8 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
     (dict(stages=1), "GluonConfig.stages must be an int in 2..8"),
     (dict(consumer_regs=250), "GluonConfig.consumer_regs must be a multiple of 8 in 24..256"),
     (dict(producer_regs=16), "GluonConfig.producer_regs must be a multiple of 8 in 24..256"),
+    (dict(consumers=4), "GluonConfig.consumers must be 2 or 3"),
+    (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -183,6 +185,37 @@ def test_persistent_grid_walks_many_work_tiles_per_program(d, causal):
     _check(q, k, v, causal)
     for change in (dict(persistent=False), dict(pingpong=False), dict(band=1), dict(band=3, persistent=False)):
         _check(q, k, v, causal, config=dataclasses.replace(gluon_config(d), **change))
+
+
+THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, stages=4)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_three_consumer_warpgroups(causal, pingpong):
+    """Work tiles of 3 x 64 query rows (FA3's shape at D 64): the ping-pong turn passes round three warpgroups,
+    every K/V stage waits for three releases; lengths that leave the last work tile's second or third Q tile
+    wholly past Nq, Nq != Nk both ways, GQA, fp16, a sliding window, varlen through the same kernel."""
+    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, **THREE_CONSUMERS)
+    for n_q, n_k in ((1, 1), (100, 100), (130, 1000), (1950, 1950), (2000, 300), (193, 4096)):
+        _check(*_inputs(2, n_q, n_k, 8, 2, 64, torch.bfloat16, seed=n_q * 7 + n_k), causal, config=config)
+    _check(*_inputs(1, 777, 777, 4, 4, 64, torch.float16, seed=11), causal, config=config)
+    _check(*_inputs(1, 700, 900, 4, 2, 64, torch.bfloat16, seed=12), False, window_size=(100, 37), config=config)
+    many = _inputs(2, 1950, 3000 if causal else 1950, 16, 4, 64, torch.bfloat16, seed=13)  # ~3 work tiles per SM
+    _check(*many, causal, config=config)
+    _check(*many, causal, config=dataclasses.replace(config, band=3, persistent=False))
+    lens_q, lens_k = [200, 1, 0, 383], [300, 64, 50, 383]  # packed: no tile may write into the next sequence
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16) for lens in (lens_q, lens_k, lens_k))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.empty(4, q.shape[0], device="cuda", dtype=torch.float32)
+    gluon_forward_packed(q, k, v, cu_q, cu_k, max(lens_q), window_left=-1, window_right=0 if causal else -1,
+                         softmax_scale=0.125, out=out, lse=lse, config=config)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
 
 
 WINDOWS = [(0, 0), (1, 0), (63, 0), (64, 0), (100, 37), (256, -1), (-1, 200), (500, 500), (3000, 0), (5, 300)]
