@@ -45,7 +45,7 @@ def _backends(variants: bool, configs: bool, bands: list[int], named: list[str])
         def run(q, k, v, causal, out):
             if head_dims is not None and q.shape[-1] not in head_dims:
                 raise ValueError(f"variant for D in {head_dims} only")
-            config = dataclasses.replace(gluon_config(q.shape[-1]), **override) if override else None
+            config = dataclasses.replace(gluon_config(q.shape[-1], causal), **override) if override else None
             return gluon_forward(q, k, v, causal=causal, out=out, config=config)[0]
         return run
 
@@ -72,7 +72,8 @@ def _backends(variants: bool, configs: bool, bands: list[int], named: list[str])
         backends[f"gluon-band{band}"] = gluon(band=band)
     for spec in named:  # NAME:field=value,... over the head dim's GluonConfig
         name, _, fields = spec.partition(":")
-        backends[f"gluon-{name}"] = gluon(**{f: int(v) for f, v in (kv.split("=") for kv in fields.split(","))})
+        values = {f: {"true": True, "false": False}.get(v, v) for f, v in (kv.split("=") for kv in fields.split(","))}
+        backends[f"gluon-{name}"] = gluon(**{f: v if isinstance(v, bool) else int(v) for f, v in values.items()})
     if configs:
         for d, shapes in CONFIG_VARIANTS.items():
             for block_n, stages in shapes:
@@ -94,7 +95,8 @@ def main() -> int:
     p.add_argument("--configs", action="store_true", help="also time other (block_n, stages) per head dim")
     p.add_argument("--bands", default="", help="also time the persistent kernel with these bands (e.g. 32,64)")
     p.add_argument("--variant", action="append", default=[],
-                   help="also time the kernel with these GluonConfig fields: NAME:field=int,... (repeatable)")
+                   help="also time the kernel with these GluonConfig fields: NAME:field=int|true|false,... (repeatable)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="rows with a causal mask or not")
     p.add_argument("--only", default="", help="time only these backends (comma-separated names)")
     p.add_argument("--seqlens", default="", help="rows of these N only")
     p.add_argument("--head-dims", default="128,64,256", help="rows of these head dims only")
@@ -123,7 +125,7 @@ def main() -> int:
     head_dims = {int(d) for d in args.head_dims.split(",")}
     dtype = torch.bfloat16
     for d, n, causal, hq, hkv in SHAPES:
-        if d not in head_dims or (seqlens and n not in seqlens):
+        if d not in head_dims or (seqlens and n not in seqlens) or args.causal == ("no" if causal else "yes"):
             continue
         if time.time() - started > args.budget_s:
             results["not_run"] = results.get("not_run", []) + [[d, n, causal, hq, hkv]]

@@ -9,11 +9,12 @@
 #           fixed cost per program                                                                        <= 130 s
 #   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
 #   d64:    the Gluon forward with three consumer warpgroups at D 64 beside two, Triton and cuDNN       <= 120 s
+#   d64causal: causal D 64 on other tiles, consumer counts and work orders                             <= 120 s
 #   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
-# From the repository root on the device:   OUT=/tmp/out bash lab/session_device.sh
+# From the repository root on the device:   OUT=/tmp/out bash lab/session_device.sh   (PARTS="tests mla": those only)
 set -u
 OUT=${OUT:-/tmp/out}
 root=$OUT
@@ -23,9 +24,13 @@ exec > >(tee -a "$root/session.log") 2>&1
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 parts=()
 LIMIT=${LIMIT:-560}  # seconds for all parts (a call may run 600)
+PARTS=${PARTS:-}  # the parts to run (names, space-separated); empty: all of them
 run_part() {  # run_part NAME SECONDS COMMAND...: in $root/NAME, unless fewer than SECONDS are left of the LIMIT
     local name=$1 seconds=$2
     shift 2
+    if [[ -n "$PARTS" && " $PARTS " != *" $name "* ]]; then
+        return
+    fi
     if (( SECONDS + seconds > LIMIT )); then
         echo "== part $name left out: $seconds s do not fit after $SECONDS s"
         return
@@ -80,6 +85,15 @@ d64_consumers() {
         --only gluon,gluon-c3n64,gluon-c3n64s6,gluon-c3n128,ioattn,torch-cudnn --budget-s 90 2>&1 | grep -v Warning \
         | cut -c1-200
 }
+d64_causal() {
+    source "$lab/device_log.sh" d64causal.log
+    step "D 64 causal: the Gluon forward's tiles and work orders beside the Triton forward and cuDNN"
+    local c3="consumers=3,maxnreg=128,consumer_regs=160"
+    timeout 110 python3 lab/gluon_fwd_bench.py --head-dims 64 --bands 4,64 --variant "c2n64:block_n=64,stages=4" \
+        --variant "c3n64:$c3,block_n=64,stages=4" --variant "c3n64nopp:$c3,block_n=64,stages=4,pingpong=false" \
+        --only gluon,gluon-band4,gluon-band64,gluon-c2n64,gluon-c3n64,gluon-c3n64nopp,ioattn,torch-cudnn \
+        --causal yes --budget-s 90 2>&1 | grep -v Warning | cut -c1-200
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -96,6 +110,7 @@ fi
 run_part tests 160 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
 run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"
+run_part d64causal 120 bash -c "$(declare -f d64_causal); lab=$lab; d64_causal"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))

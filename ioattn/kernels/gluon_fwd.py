@@ -1,10 +1,10 @@
-"""FlashAttention-3-style forward for sm_90 in Gluon: a TMA producer warp and two consumer warpgroups.
+"""FlashAttention-3-style forward for sm_90 in Gluon: a TMA producer warp and two (or three) consumer warpgroups.
 
-A work tile is 2 x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the work
+A work tile is CONSUMERS x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the work
 tiles tile = program_id, + num_programs, ... (the launcher sizes the grid to the SMs; one program per tile is the
 non-persistent case). Its warps split three ways (`gl.warp_specialize`):
 
-- the producer (1 warp, few registers) TMA-loads a work tile's two Q tiles once their buffers are free (a Q-empty
+- the producer (1 warp, few registers) TMA-loads a work tile's Q tiles (one per consumer) once their buffers are free (a Q-empty
   mbarrier per consumer), then streams its K and V tiles through a STAGES-deep shared-memory ring: per stage one
   ready and one empty mbarrier for K and another pair for V, so S = Q·Kᵀ can start as soon as K lands while V
   is still in flight. The ring's and the barriers' counters run on across work tiles, so the next tile's Q, K and
@@ -17,7 +17,9 @@ non-persistent case). Its warps split three ways (`gl.warp_specialize`):
   sharing each K/V tile between two Q tiles halves K/V traffic per query row. With PINGPONG the two take
   turns issuing their wgmmas (a pair of mbarriers hands the turn over; FA3 uses named barriers), so one
   warpgroup's softmax runs while the other's matmuls hold the tensor cores; without it they run unordered
-  and the warp scheduler interleaves them as it may.
+  and the warp scheduler interleaves them as it may. CONSUMERS = 3 (FA3's 192-row tiles at D 64, where the
+  registers of a 64-row consumer hold its tiles at 160 per thread) passes the turn round all three and shares
+  each K/V tile among three Q tiles.
 
 Inside a consumer the loop overlaps as FA3's intra-warpgroup pipelining: S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}
 are issued back to back as async wgmmas, the softmax of S_j runs while the P·V product is still in the tensor

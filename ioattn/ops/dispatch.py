@@ -34,8 +34,8 @@ TORCH_SDPA_KERNEL = "aten._scaled_dot_product_flash_attention_for_cpu (torch's C
 TRITON_BWD_KERNEL = ("ioattn.kernels.prefill_bwd.attention_bwd_dq_kernel (with the row statistics), then "
                      "attention_bwd_dkdv_kernel (launched by ioattn.ops.backward.attention_bwd)")
 TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
-GLUON_KERNEL = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (sm_90 warp-specialized: a TMA producer warp, two "
-                "ping-pong consumer warpgroups)")
+GLUON_KERNEL = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (sm_90 warp-specialized: a TMA producer warp, two or "
+                "three ping-pong consumer warpgroups)")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a call will run and why; str() is the human-readable explanation."""
@@ -192,7 +192,8 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
                                                                                    inputs.k.shape[1])
         if backend == "gluon" or (faster and config is None):
             problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, True, "ieee", False)
-            return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1]), problem, (),
+            masked = inputs.window_left >= 0 or inputs.window_right >= 0  # causal is window_right 0
+            return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1], masked), problem, (),
                         f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
                         bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
         if unsupported:

@@ -33,7 +33,7 @@ class GluonConfig:
     # log2 units: > 0 rescales O only when some row max grows by more (FA4); 0 rescales every tile, which the
     # 2026-12-05 H100 run measured faster on 15 of 19 rows, within 1% on the rest (the skip costs a cross-warp max)
     rescale_threshold: float = 0.0
-    pingpong: bool = True  # the two consumer warpgroups issue their wgmmas in alternation
+    pingpong: bool = True  # the consumer warpgroups issue their wgmmas in turn
     persistent: bool = True  # one program per SM walks the work tiles (else one program per work tile)
     # the work tiles' order: bands of this many query blocks, each (batch, head)'s next to each other (the kernel's
     # _tile_coords), so the running tiles share K/V in L2; 1 (every (batch, head) of one query block before the
@@ -66,6 +66,11 @@ _CONFIGS = {
     128: GluonConfig(block_n=128, stages=2),  # 32 KB + 2 x 64 KB
     256: GluonConfig(block_n=64, stages=2),  # 64 KB + 2 x 64 KB
 }
+# Without a causal mask or window, D 64 takes three consumer warpgroups (FA3's 192-row tiles): 1.09-1.13x the
+# two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). Masked, the
+# same tiles spill in the key loop at 160 registers per consumer and ran 0.51-0.99x cuDNN: the masked calls keep two.
+# 24 KB Q + 24 KB O + 3 x 32 KB.
+_UNMASKED_CONFIGS = {64: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160)}
 HEAD_DIMS = tuple(_CONFIGS)
 # The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
 _FP8_CONFIGS = {
@@ -97,8 +102,9 @@ def _grid(cfg: GluonConfig, device: torch.device, work_tiles: int) -> tuple[int]
     return (min(work_tiles, _sm_count(device.index)) if cfg.persistent else work_tiles,)
 
 
-def gluon_config(head_dim: int) -> GluonConfig:
-    return _CONFIGS[head_dim]
+def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
+    """The head dim's tiles; masked: a causal mask or a sliding window bounds the keys a row sees."""
+    return _CONFIGS[head_dim] if masked else _UNMASKED_CONFIGS.get(head_dim, _CONFIGS[head_dim])
 
 
 def fp8_gluon_config(head_dim: int) -> GluonConfig:
@@ -108,9 +114,10 @@ def fp8_gluon_config(head_dim: int) -> GluonConfig:
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
 # tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048, persistent, bands of 16:
 # bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100): 1.14-1.28x the Triton forward at D128 (N 2k-16k, causal
-# and not, GQA 16/4), 1.21-1.38x at D256. D64 stays on the Triton forward: ahead of Gluon on 5 of its 6 rows.
-GLUON_FASTER: dict[tuple[int, bool], int] = {(128, False): 2048, (128, True): 2048, (256, False): 2048,
-                                             (256, True): 2048}
+# and not, GQA 16/4), 1.21-1.38x at D256; D64 without a mask on three consumer warpgroups: 1.09-1.13x
+# (bench/results/2026-12-07-stage-out-c3-h100). Causal D64 stays on the Triton forward (0.64-1.02x there).
+GLUON_FASTER: dict[tuple[int, bool], int] = {(64, False): 2048, (128, False): 2048, (128, True): 2048,
+                                             (256, False): 2048, (256, True): 2048}
 
 
 def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:
@@ -280,7 +287,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
     from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
-    cfg = gluon_config(d) if config is None else config
+    cfg = gluon_config(d, masked=window_left >= 0 or window_right >= 0) if config is None else config
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
@@ -313,7 +320,7 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
 
     from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
-    cfg = gluon_config(d) if config is None else config
+    cfg = gluon_config(d, masked=window_left >= 0 or window_right >= 0) if config is None else config
     m_blocks = max(triton.cdiv(max_seqlen_q, cfg.consumers * BLOCK_M), 1)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q4, BLOCK_M), _descriptor(k4, cfg.block_n), _descriptor(v4, cfg.block_n),

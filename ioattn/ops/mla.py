@@ -91,9 +91,13 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 # sequence and split on mma.sync (1.0-1.37x; the split heuristic filling one program per SM: 4-29% faster than two);
 # 128 heads, 64 per program on wgmma (1.47-1.98x), from 8 sequences: a lone sequence's programs are too short for
 # the wgmma kernel's fixed cost (0.64-0.91x torch's bmm at B1 L <= 8k, where the Triton kernel did better).
+# The 64-head kernels store O through the ring's stages in whole rows (stage_out): 8-12% faster at B64 L 1k-8k
+# and 6 µs less fixed cost per program; the 16-head kernel's 16 x 512 O gains nothing from it (within 1%;
+# bench/results/2026-12-07-stage-out-c3-h100).
 GLUON_MLA_DEFAULTS = {
     (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
-    (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
+    (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
+                          stage_out=True),
 }
 GLUON_MLA_MIN_BATCH = {(16, 512): 1, (128, 512): 8}
 # The 64-head kernel takes the seesaw schedule where each program walks at least this many keys (the table's

@@ -48,9 +48,9 @@ GLUON = dict(default=DEFAULT,
              wgmma_deep=MLAConfig(block_h=64, block_m=64, block_n=32, num_warps=8, num_stages=3, kernel="gluon"),
              seesaw=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
                               seesaw=True),
-             # O through the ring's stages (not yet a default: written without a GPU, 2026-12-07)
+             # O through the ring's stages (the 64-head default) or stored straight from the accumulator
              staged=dataclasses.replace(DEFAULT, stage_out=True),
-             wgmma_staged=dataclasses.replace(GLUON_MLA_DEFAULTS[(128, 512)], stage_out=True),
+             wgmma_direct=dataclasses.replace(GLUON_MLA_DEFAULTS[(128, 512)], stage_out=False),
              seesaw_staged=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
                                      seesaw=True, stage_out=True))
 
@@ -189,8 +189,8 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.bfloat16, 72, 128, "seesaw"),  # two programs, the second 8 heads and 56 rows of padding
     (torch.bfloat16, 16, 64, "staged"),
     (torch.float16, 40, 16, "staged"),
-    (torch.bfloat16, 128, 64, "wgmma_staged"),
-    (torch.float16, 40, 16, "wgmma_staged"),
+    (torch.bfloat16, 128, 64, "wgmma_direct"),
+    (torch.float16, 40, 16, "wgmma_direct"),
     (torch.bfloat16, 128, 64, "seesaw_staged"),
     (torch.float16, 72, 16, "seesaw_staged"),
 ])
