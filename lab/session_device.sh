@@ -114,7 +114,7 @@ run_part d64causal 120 bash -c "$(declare -f d64_causal); lab=$lab; d64_causal"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))
-if (( left >= 90 )); then
+if (( left >= 50 )); then
     run_part prefill "$left" bash -c "$(declare -f prefill_bench); lab=$lab; prefill_bench $left"
 else
     echo "== part prefill left out: $left s left"
