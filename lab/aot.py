@@ -134,7 +134,8 @@ def forward_kernel(block_m, block_n, warps, stages, head_dim, causal, tma, maxnr
 def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=None, pingpong=None, window=False,
                          varlen=False, **override):
     """The Gluon warp-specialized forward as `ioattn.ops.gluon_forward` launches it (its defaults for the head
-    dim unless stages / block_n / other GluonConfig fields in override are given); dtype "fp8": e4m3 inputs (V transposed), bf16 output, block scales;
+    dim and mask unless stages / block_n / other GluonConfig fields in override are given); dtype "fp8": e4m3
+    inputs (V transposed), bf16 output, block scales;
     window: a sliding window bounded on both sides; varlen: packed sequences (cu_seqlens)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 

@@ -95,7 +95,8 @@ def main() -> int:
     p.add_argument("--configs", action="store_true", help="also time other (block_n, stages) per head dim")
     p.add_argument("--bands", default="", help="also time the persistent kernel with these bands (e.g. 32,64)")
     p.add_argument("--variant", action="append", default=[],
-                   help="also time the kernel with these GluonConfig fields: NAME:field=int|true|false,... (repeatable)")
+                   help="also time the kernel with these GluonConfig fields: NAME:field=int|true|false,... "
+                        "(repeatable)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="rows with a causal mask or not")
     p.add_argument("--only", default="", help="time only these backends (comma-separated names)")
     p.add_argument("--seqlens", default="", help="rows of these N only")

@@ -74,7 +74,8 @@ band_sweep() {
     source "$lab/device_log.sh" bands.log
     step "the Gluon forward's work-tile order: bands of 16 (the default), 32, 64, 128 query blocks, beside cuDNN"
     timeout 110 python3 lab/gluon_fwd_bench.py --bands 32,64,128 --head-dims 128,256 --seqlens 8192,16384 \
-        --only gluon,gluon-band32,gluon-band64,gluon-band128,torch-cudnn --budget-s 90 2>&1 | grep -v Warning | cut -c1-200
+        --only gluon,gluon-band32,gluon-band64,gluon-band128,torch-cudnn --budget-s 90 2>&1 | grep -v Warning \
+        | cut -c1-200
 }
 d64_consumers() {
     source "$lab/device_log.sh" d64.log

@@ -1,15 +1,15 @@
 """FlashAttention-3-style forward for sm_90 in Gluon: a TMA producer warp and two (or three) consumer warpgroups.
 
-A work tile is CONSUMERS x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the work
-tiles tile = program_id, + num_programs, ... (the launcher sizes the grid to the SMs; one program per tile is the
-non-persistent case). Its warps split three ways (`gl.warp_specialize`):
+A work tile is CONSUMERS x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the
+work tiles tile = program_id, + num_programs, ... (the launcher sizes the grid to the SMs; one program per tile is
+the non-persistent case). Its warps split three ways (`gl.warp_specialize`):
 
-- the producer (1 warp, few registers) TMA-loads a work tile's Q tiles (one per consumer) once their buffers are free (a Q-empty
-  mbarrier per consumer), then streams its K and V tiles through a STAGES-deep shared-memory ring: per stage one
-  ready and one empty mbarrier for K and another pair for V, so S = Q·Kᵀ can start as soon as K lands while V
-  is still in flight. The ring's and the barriers' counters run on across work tiles, so the next tile's Q, K and
-  V load while the consumers finish the last P·V and store O (O has a buffer of its own where shared memory
-  allows; otherwise it is staged in Q's, which is then freed only once the store has read it);
+- the producer (1 warp, few registers) TMA-loads a work tile's Q tiles (one per consumer) once their buffers are
+  free (a Q-empty mbarrier per consumer), then streams its K and V tiles through a STAGES-deep shared-memory ring:
+  per stage one ready and one empty mbarrier for K and another pair for V, so S = Q·Kᵀ can start as soon as K
+  lands while V is still in flight. The ring's and the barriers' counters run on across work tiles, so the next
+  tile's Q, K and V load while the consumers finish the last P·V and store O (O has a buffer of its own where
+  shared memory allows; otherwise it is staged in Q's, which is then freed only once the store has read it);
 - two consumer warpgroups (the default partition and one 4-warp worker), each owning its own BLOCK_M = 64-row
   Q tile and reading the same K/V stages (the empty barriers count both consumers' arrivals). 64 rows is the
   wgmma atom for one warpgroup and keeps S (64 x BLOCK_N fp32), O (64 x D fp32) and P (16-bit) in registers
@@ -474,7 +474,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
                      BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
-    cdiv(Nq, 2 * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
+    cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
     are bounded (causal: RIGHT with window_right = 0), by window_left / window_right >= 0 keys, aligned
     bottom-right. SEPARATE_O: O is staged in a buffer of its own (else in Q's). BAND: the work tiles' order
