@@ -10,6 +10,7 @@
 #   mla:    `ioattn bench decode --mla --heads 16,128` with the defaults, beside torch's MLA (W2 7/7)    <= 140 s
 #   d64:    the Gluon forward with three consumer warpgroups at D 64 beside two, Triton and cuDNN       <= 120 s
 #   d64causal: causal D 64 on other tiles, consumer counts and work orders                             <= 120 s
+#   snake:  causal D 128/256 with every other round of work tiles reversed beside the default order   <= 90 s
 #   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
@@ -95,6 +96,12 @@ d64_causal() {
         --only gluon,gluon-band4,gluon-band64,gluon-c2n64,gluon-c3n64,gluon-c3n64nopp,ioattn,torch-cudnn \
         --causal yes --budget-s 90 2>&1 | grep -v Warning | cut -c1-200
 }
+snake_order() {
+    source "$lab/device_log.sh" snake.log
+    step "causal: every other round of work tiles from its far end (snake) beside the default order and cuDNN"
+    timeout 80 python3 lab/gluon_fwd_bench.py --head-dims 128,256 --causal yes --variant "snake:snake=true" \
+        --only gluon,gluon-snake,torch-cudnn --budget-s 60 2>&1 | grep -v Warning | cut -c1-200
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -112,6 +119,7 @@ run_part tests 160 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
 run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"
 run_part d64causal 120 bash -c "$(declare -f d64_causal); lab=$lab; d64_causal"
+run_part snake 90 bash -c "$(declare -f snake_order); lab=$lab; snake_order"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))

@@ -42,6 +42,9 @@ class GluonConfig:
     # consumer warpgroups, each with its own 64-row Q tile sharing every K/V tile: 3 (192 query rows per work tile,
     # as FA3 at D 64) reads K/V through shared memory a third less often per row; registers allow it at D <= 64
     consumers: int = 2
+    # the persistent loop's order: every other round of work tiles from its far end (the kernel's _snake), so
+    # programs that drew a long causal tile draw a short one next; a permutation of the same static assignment
+    snake: bool = False
 
     def __post_init__(self):
         check_launch_config(self)
@@ -247,7 +250,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
-        BAND=cfg.band, CONSUMERS=cfg.consumers,
+        BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -295,7 +298,7 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
-        CONSUMERS=cfg.consumers, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        CONSUMERS=cfg.consumers, SNAKE=cfg.snake, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
     return out, lse
 
@@ -331,6 +334,6 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
         stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, CONSUMERS=cfg.consumers,
-        num_warps=cfg.num_warps,
+        SNAKE=cfg.snake, num_warps=cfg.num_warps,
         maxnreg=cfg.maxnreg,
     )

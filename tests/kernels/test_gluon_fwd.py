@@ -46,6 +46,7 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
     (dict(producer_regs=16), "GluonConfig.producer_regs must be a multiple of 8 in 24..256"),
     (dict(consumers=4), "GluonConfig.consumers must be 2 or 3"),
     (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
+    (dict(snake=1), "GluonConfig.snake must be a bool"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -184,11 +185,12 @@ def test_persistent_grid_walks_many_work_tiles_per_program(d, causal):
     """Several work tiles per program (B 2 x 16 heads x 16 query blocks on ~132 SMs), of mixed lengths under
     causal, the last block's second Q tile wholly past Nq = 1950: every ring lap, Q-buffer hand-over and
     ping-pong turn carries across tiles; the kernel on one program per tile, without ping-pong, or with the work
-    tiles in other orders (every head's first query block first, or bands of 3 query blocks, whose last band is
-    short) agrees."""
+    tiles in other orders (every head's first query block first, bands of 3 query blocks, whose last band is short,
+    or every other round taken from its far end) agrees."""
     q, k, v = _inputs(2, 1950, 3000 if causal else 1950, 16, 4, d, torch.bfloat16, seed=d + causal)
     _check(q, k, v, causal)
-    for change in (dict(persistent=False), dict(pingpong=False), dict(band=1), dict(band=3, persistent=False)):
+    for change in (dict(persistent=False), dict(pingpong=False), dict(band=1), dict(band=3, persistent=False),
+                   dict(snake=True), dict(snake=True, band=3)):
         _check(q, k, v, causal, config=dataclasses.replace(gluon_config(d), **change))
 
 
@@ -211,6 +213,7 @@ def test_three_consumer_warpgroups(causal, pingpong):
     many = _inputs(2, 1950, 3000 if causal else 1950, 16, 4, 64, torch.bfloat16, seed=13)  # ~3 work tiles per SM
     _check(*many, causal, config=config)
     _check(*many, causal, config=dataclasses.replace(config, band=3, persistent=False))
+    _check(*many, causal, config=dataclasses.replace(config, snake=True))
     lens_q, lens_k = [200, 1, 0, 383], [300, 64, 50, 383]  # packed: no tile may write into the next sequence
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
                   for lens in (lens_q, lens_k))
