@@ -547,7 +547,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     else:
         seqs = (LSE, LSE, LSE, 0, 0, 0)  # unread
 
-    # (tuple concatenation would turn the constexprs into tensors: each partition's arguments are spelled out)
+    # (Gluon takes no *args in a call and tuple concatenation would turn the constexprs into tensors: each
+    # partition's arguments are spelled out, once per consumer count)
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "2 or 3 consumer warpgroups")
     if CONSUMERS == 2:
         gl.warp_specialize([
