@@ -143,7 +143,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, separate_o, tile_layout
 
     fp8 = dtype == "fp8"
-    cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim, masked=causal or window)
+    cfg = fp8_gluon_config(head_dim, masked=causal) if fp8 else gluon_config(head_dim, masked=causal or window)
     block_n, stages = block_n or cfg.block_n, stages or cfg.stages
     pingpong = cfg.pingpong if pingpong is None else pingpong
     gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8e4nv"}[dtype]
@@ -158,7 +158,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     constexprs = dict(CONSUMERS=cfg.consumers, SNAKE=cfg.snake, LEFT=window, RIGHT=causal or window, BLOCK_N=block_n,
                       STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs,
                       PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen,
-                      BAND=cfg.band)
+                      BAND=cfg.band, P_SHARED=fp8 and cfg.fp8_p_shared)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

@@ -188,6 +188,23 @@ def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.con
 
 
 @gluon.jit
+def _fp8_operand(p, p_layout: gl.constexpr):
+    """FP8: P (fp32, S's accumulator layout) as the e4m3 A operand of the P·V wgmma, without moving a byte between
+    threads. A thread's accumulator holds keys 8b + 2t + (0, 1) of a row (t its lane's quad position, b = 0, 1 in
+    each 16 keys); the 8-bit operand wants keys 4t + 0..3. Relabelling key 8b + 2t + e as 4t + 2b + e maps one
+    onto the other, so the wgmma computes P·V over keys in that order: V's keys come permuted alike
+    (`ioattn.ops.fp8_attention.KEY_ORDER`). The conversion runs where the wgmma is issued: an fp8 tensor carried
+    round the loop is repacked byte by byte."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    p = gl.convert_layout(p.reshape([M, N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([M, N]), p_layout)
+    # four keys into one register: two cvt (e4m3x2) and a move, as the operand wants them
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+        "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], dtype=gl.float8e4nv, is_pure=True, pack=4)
+
+
+@gluon.jit
 def _take_turn(turns, c: gl.constexpr, slot, PINGPONG: gl.constexpr):
     """Ping-pong: the consumers issue their wgmmas in turn (0, 1, .., 0, ..), so one warpgroup's softmax runs
     while another's matmuls hold the tensor cores. Consumer c > 0's slot k waits for consumer c - 1 to hand over
@@ -220,10 +237,10 @@ def _release(k_ready, k_empty, v_ready, v_empty, j):
 
 
 @gluon.jit
-def _tile_scale(scales, j, BLOCK_N: gl.constexpr, scale_block, last_block):
-    """FP8: the K or V block scale of key tile j (the tile lies in one scale block); tiles past the end read the
-    last block's (the loop loads one tile ahead)."""
-    return gl.load(scales + gl.minimum((j * BLOCK_N) // scale_block, last_block))
+def _tile_scale(scales, j, last_tile):
+    """FP8: the K or V scale of key tile j (one per tile: no division in the key loop); tiles past the end read
+    the last tile's (the loop loads one tile ahead)."""
+    return gl.load(scales + gl.minimum(j, last_tile))
 
 
 @gluon.jit
@@ -260,7 +277,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
               batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
               seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
               PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr, BAND: gl.constexpr,
-              SNAKE: gl.constexpr):
+              SNAKE: gl.constexpr, P_SHARED: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -269,9 +286,16 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     CONSUMERS: gl.constexpr = q_smem.shape[0]
     dtype: gl.constexpr = q_smem.dtype
     # FP8: e4m3 Q, K and V (V transposed in shared memory), block scales, P rounded to e4m3 x 2**8, each tile's
-    # P·V in a fresh accumulator added to O with the tile's V scale (two-level accumulation)
+    # P·V in a fresh accumulator added to O with the tile's V scale (two-level accumulation). P is the P·V wgmma's
+    # register operand (V's keys permuted to match: _fp8_operand), or with P_SHARED goes through shared memory
     FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-    P_LOG2: gl.constexpr = 8.0 if FP8 else 0.0
+    gl.static_assert(FP8 or not P_SHARED, "P_SHARED is the fp8 forward's")
+    # FP8 with P in registers issues P·V before S and takes it into O before the softmax: its e4m3 operand and
+    # accumulator are free again while the softmax holds S (else the key loops spill)
+    PV_FIRST: gl.constexpr = FP8 and not P_SHARED
+    # FP8: P x 2**P_LOG2 rounds to e4m3 (448 at most, subnormal from 2**-9): P stays below 2**RESCALE_THRESHOLD, so
+    # the product below 2**8
+    P_LOG2: gl.constexpr = 8.0 - RESCALE_THRESHOLD if FP8 else 0.0
     k_width: gl.constexpr = 256 // dtype.primitive_bitwidth
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, k_width])
@@ -288,9 +312,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
     q = q_smem.index(c)
     # O goes out through a buffer of its own, or through Q's once the last S wgmma has read Q
     staged = o_smem.index(c) if SEPARATE_O else q
-    if FP8:
+    if P_SHARED:
         p_smem = p_buffers.index(c)
-        q_scale_base, k_scale_base, v_scale_base, scale_block, scale_blocks_q, scale_blocks_k = scales
+    if FP8:
+        q_scale_base, k_scale_base, v_scale_base, scale_block, scale_blocks_q, scale_tiles_k = scales
 
     it = 0  # K/V tiles of the ring passed so far (as the producer counts them)
     t_local = 0  # work tiles of this program so far; each took it + 1 ping-pong turns
@@ -325,13 +350,13 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
             l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
             o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
             if FP8:
-                kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_blocks_k
+                kv_row = (batch * (n_heads // group) + head // group).to(gl.int64) * scale_tiles_k
                 k_scales = k_scale_base + kv_row
                 v_scales = v_scale_base + kv_row
                 q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
                 row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < len_q, other=0.0)
                 # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
-                k_scale_next = _tile_scale(k_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
+                k_scale_next = _tile_scale(k_scales, first, scale_tiles_k - 1)
 
             slot_base = it + t_local  # ping-pong turns taken before this work tile
             mbarrier.wait(q_ready.index(c), t_local & 1)
@@ -348,17 +373,17 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                                      s_layout)
                 if FP8:
                     tile_rows = row_scale * k_scale_next
-                    k_scale_next = _tile_scale(k_scales, first + 1, BLOCK_N, scale_block, scale_blocks_k - 1)
-                    v_scale_prev = _tile_scale(v_scales, first, BLOCK_N, scale_block, scale_blocks_k - 1)
+                    k_scale_next = _tile_scale(k_scales, first + 1, scale_tiles_k - 1)
+                    v_scale_prev = _tile_scale(v_scales, first, scale_tiles_k - 1)
                     p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                                 RESCALE_THRESHOLD, P_LOG2)
                 else:
                     p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
                                                                 RESCALE_THRESHOLD, P_LOG2)
-                if FP8:  # P goes through shared memory: fp8 operands in registers cannot be held across the async wgmma
+                if P_SHARED:
                     p_smem.store(p.to(dtype))
                     fence_async_shared()
-                else:
+                elif not FP8:  # FP8: converted where its P·V is issued
                     p = gl.convert_layout(p.to(dtype), p_layout)
                 # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
                 # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
@@ -380,22 +405,33 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     for j in range(j_start, j_end):
                         stage = (it + j) % STAGES
                         prev = (it + j - 1) % STAGES
+                        if PV_FIRST:
+                            p_op = _fp8_operand(p, p_layout)
                         mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                         _take_turn(turns, c, slot_base + j, PINGPONG)
+                        if PV_FIRST:
+                            pv = warpgroup_mma(p_op, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
+                                               is_async=True)
                         s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
                         if FP8:
-                            pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
-                                               is_async=True)
+                            if P_SHARED:
+                                pv = warpgroup_mma(p_smem, v_smem.index(prev).permute((1, 0)), o_init, use_acc=False,
+                                                   is_async=True)
                             k_scale = k_scale_next
                             v_scale = v_scale_prev
-                            k_scale_next = _tile_scale(k_scales, first + j + 1, BLOCK_N, scale_block,
-                                                       scale_blocks_k - 1)
-                            v_scale_prev = _tile_scale(v_scales, first + j, BLOCK_N, scale_block, scale_blocks_k - 1)
+                            k_scale_next = _tile_scale(k_scales, first + j + 1, scale_tiles_k - 1)
+                            v_scale_prev = _tile_scale(v_scales, first + j, scale_tiles_k - 1)
                         else:
                             o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
                         _pass_turn(turns, c, PINGPONG)
-                        s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
+                        if PV_FIRST:  # P·V is done (S may still run): O takes it before the softmax needs registers
+                            pv = warpgroup_mma_wait(1, deps=[pv])
+                            mbarrier.arrive(v_empty.index(prev), count=1)
+                            o = o + pv * v_scale
+                            s = warpgroup_mma_wait(0, deps=[s])
+                        else:
+                            s = warpgroup_mma_wait(1, deps=[s])  # the older group (S) is done; P·V may still run
                         mbarrier.arrive(k_empty.index(stage), count=1)
                         if part != 1:
                             s = _mask_scores(s, first + j, rows, len_q, len_k, LEFT, RIGHT, window_left, window_right,
@@ -404,9 +440,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                             tile_rows = row_scale * k_scale
                             p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                                              RESCALE_THRESHOLD, P_LOG2)
-                            pv = warpgroup_mma_wait(0, deps=[pv])
-                            mbarrier.arrive(v_empty.index(prev), count=1)
-                            o = o + pv * v_scale
+                            if P_SHARED:
+                                pv = warpgroup_mma_wait(0, deps=[pv])
+                                mbarrier.arrive(v_empty.index(prev), count=1)
+                                o = o + pv * v_scale
                         else:
                             p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
                                                                              RESCALE_THRESHOLD, P_LOG2)
@@ -414,19 +451,24 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                             mbarrier.arrive(v_empty.index(prev), count=1)
                         if rescale:
                             o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-                        if FP8:
+                        if P_SHARED:
                             p_smem.store(p_next.to(dtype))
                             fence_async_shared()
+                        elif FP8:
+                            p = p_next
                         else:
                             p = gl.convert_layout(p_next.to(dtype), p_layout)
                 if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
                     mbarrier.arrive(q_empty.index(c), count=1)
                 # slot n_own: the last tile's P·V
                 last = (it + n_own - 1) % STAGES
+                if FP8 and not P_SHARED:
+                    p_op = _fp8_operand(p, p_layout)
                 mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
                 _take_turn(turns, c, slot_base + n_own, PINGPONG)
                 if FP8:
-                    pv = warpgroup_mma(p_smem, v_smem.index(last).permute((1, 0)), o_init, use_acc=False, is_async=True)
+                    pv = warpgroup_mma(p_smem if P_SHARED else p_op, v_smem.index(last).permute((1, 0)), o_init,
+                                       use_acc=False, is_async=True)
                     _pass_turn(turns, c, PINGPONG)
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     o = o + pv * v_scale_prev
@@ -480,16 +522,17 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
 
 # lengths, head counts and window sizes stay runtime values: one build per (dtype, head dim, window sides)
 @gluon.jit(do_not_specialize=["n_q", "n_k", "n_heads", "group", "batch_heads", "n_m_blocks", "window_left",
-                              "window_right", "scale_block", "scale_blocks_q", "scale_blocks_k", "stride_o_row",
+                              "window_right", "scale_block", "scale_blocks_q", "scale_tiles_k", "stride_o_row",
                               "stride_o_head", "lse_stride"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, group, batch_heads, n_m_blocks,
                      window_left, window_right, qk_scale_log2, LEFT: gl.constexpr, RIGHT: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      RESCALE_THRESHOLD: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      PRODUCER_REGS: gl.constexpr, SEPARATE_O: gl.constexpr, Q_scale=None, K_scale=None, V_scale=None,
-                     scale_block=1, scale_blocks_q=1, scale_blocks_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
+                     scale_block=1, scale_blocks_q=1, scale_tiles_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
-                     BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False):
+                     BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
+                     P_SHARED: gl.constexpr = False):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -498,8 +541,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     (`_tile_coords`). CONSUMERS: 2 or 3 consumer warpgroups, each with its own BLOCK_M-row Q tile (a work tile is
     CONSUMERS x BLOCK_M rows; n_m_blocks counts those). SNAKE: the persistent loop's order (`_snake`).
     FP8 (e4m3 q, k, v descriptors; o 16-bit; SEPARATE_O): v's descriptor is over V transposed (B, Hkv, D, keys)
-    with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q), K_scale and V_scale (B, Hkv, scale_blocks_k),
-    float32 contiguous, one scale per `scale_block` positions (a multiple of BLOCK_N)."""
+    with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q) float32 contiguous, one scale per
+    `scale_block` query rows; K_scale and V_scale (B, Hkv, scale_tiles_k) float32 contiguous, one scale per
+    BLOCK_N-key tile. P_SHARED: P goes to the P·V wgmma through shared memory; else from registers with V's keys
+    permuted in groups of 16 (`_fp8_operand`)."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -518,13 +563,16 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     if FP8:
         tile_layout_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], dtype)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], tile_layout_vt)
-        tile_layout_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-        p_buffers = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout_p)
-        scales = (Q_scale, K_scale, V_scale, scale_block, scale_blocks_q, scale_blocks_k)
+        if P_SHARED:
+            tile_layout_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
+            p_buffers = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, BLOCK_N], tile_layout_p)
+        else:
+            p_buffers = q_smem  # unread
+        scales = (Q_scale, K_scale, V_scale, scale_block, scale_blocks_q, scale_tiles_k)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
         p_buffers = q_smem  # P stays in registers
-        scales = (LSE, LSE, LSE, scale_block, scale_blocks_q, scale_blocks_k)
+        scales = (LSE, LSE, LSE, scale_block, scale_blocks_q, scale_tiles_k)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -554,10 +602,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -565,13 +613,13 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
             (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

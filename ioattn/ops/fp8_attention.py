@@ -49,12 +49,13 @@ def hadamard_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
     return (kv_rotation(head_dim) / math.sqrt(head_dim)).to(device)
 
 
-def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None = None, *, transpose: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None = None, *, transpose: bool = False,
+                    permute_keys: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, N, H, D) 16-bit -> (e4m3 codes (B, N, H, D), float32 scales (B, H, ceil(N / block))), rotated first
     when `rotation` is given: each block of `block` positions of a head divided by its amax / 448, rounded to
     nearest even. An all-zero block gets scale 1; a NaN stays NaN (its block's scale too). transpose: the codes
-    as `transposed` lays them out (B, H, D, whole blocks; zeros past N), written in the one pass."""
+    as `transposed` lays them out (B, H, D, whole blocks; zeros past N), written in the one pass, with
+    permute_keys in `KEY_ORDER` (block a multiple of 16)."""
     batch, n, heads, dim = x.shape
     values = x.float() if rotation is None else x.float() @ rotation
     blocks = -(-n // block)
@@ -64,7 +65,11 @@ def quantize_blocks(x: torch.Tensor, block: int, rotation: torch.Tensor | None =
     scales = torch.where(amax > 0, amax / limit, torch.where(amax.isnan(), amax, 1.0))
     scaled = padded / scales[:, :, None, :, None]
     clamped = torch.where(scaled.isnan(), scaled, scaled.clamp(-limit, limit))
-    if transpose:  # (B, blocks, block, H, D) -> (B, H, D, blocks x block)
+    if transpose and permute_keys:  # (B, blocks, groups, b, t, e, H, D) -> (B, H, D, blocks, groups, t, b, e)
+        grouped = clamped.view(batch, blocks, block // 16, 2, 4, 2, heads, dim)
+        codes = grouped.permute(0, 6, 7, 1, 2, 4, 3, 5).reshape(batch, heads, dim, blocks * block)
+        codes = codes.to(FP8_FORWARD_DTYPE)
+    elif transpose:  # (B, blocks, block, H, D) -> (B, H, D, blocks x block)
         codes = clamped.permute(0, 3, 4, 1, 2).reshape(batch, heads, dim, blocks * block).to(FP8_FORWARD_DTYPE)
     else:
         codes = clamped.to(FP8_FORWARD_DTYPE).view(batch, blocks * block, heads, dim)[:, :n]
@@ -88,12 +93,26 @@ def quantize_per_head(x: torch.Tensor, heads_per_scale: int = 1) -> tuple[torch.
     return codes.reshape(batch, n, heads, dim), scales
 
 
-def transposed(codes: torch.Tensor) -> torch.Tensor:
+# The Gluon kernel's P·V (P from registers, `ioattn.kernels.gluon_fwd._fp8_operand`) takes the keys of each group of
+# 16 in this order: position 4t + 2b + e holds key 8b + 2t + e.
+KEY_ORDER = tuple(8 * b + 2 * t + e for t in range(4) for b in range(2) for e in range(2))
+
+
+def transposed(codes: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     """V's codes (B, N, H, D) as (B, H, D, N') with N' the next multiple of 16 (a tensor descriptor's row stride is
-    16-byte aligned), keys contiguous: the operand layout of the kernel's fp8 P·V."""
+    16-byte aligned), keys contiguous: the operand layout of the kernel's fp8 P·V; with permute_keys, each group of
+    16 keys in `KEY_ORDER` (zeros past N)."""
     batch, n, heads, dim = codes.shape
     out = torch.zeros(batch, heads, dim, -(-n // 16) * 16, dtype=codes.dtype, device=codes.device)
-    out[..., :n] = codes.permute(0, 2, 3, 1)
+    source = codes.permute(0, 2, 3, 1)
+    if not permute_keys:
+        out[..., :n] = source
+        return out
+    order = torch.tensor(KEY_ORDER, device=codes.device)
+    positions = torch.argsort(order).repeat(out.shape[-1] // 16) + torch.arange(out.shape[-1], device=codes.device
+                                                                                 ) // 16 * 16
+    # one pass: key i written at its position (bytes: index_copy_ takes no fp8)
+    out.view(torch.uint8).index_copy_(3, positions[:n], source.view(torch.uint8))
     return out
 
 
@@ -133,8 +152,12 @@ class FP8Plan:
     def __str__(self) -> str:
         kernel = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (FP8 mode)" if self.kernel == "gluon"
                   else "ioattn.kernels.prefill_fwd.prefill_fwd_kernel (FP8=True)")
+        p_path = ""
+        if self.kernel == "gluon":
+            p_path = (", P through shared memory" if self.config.fp8_p_shared
+                      else ", P from registers (V's keys permuted in groups of 16)")
         return (f"fp8 forward: {kernel} {self.config}; {self.reason}; scales: {self.scales}; e4m3 Q·Kᵀ and P·V "
-                f"(P x 256 rounded to e4m3), two-level accumulation; window {self.window}")
+                f"(P x 256 rounded to e4m3{p_path}), two-level accumulation; window {self.window}")
 
 
 def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *, q_descale=None, k_descale=None,
@@ -143,10 +166,13 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     """Check a `flash_attn_fp8_func` call (ValueError naming the argument) and choose its kernel."""
     fp8_inputs = q.dtype == FP8_FORWARD_DTYPE if isinstance(q, torch.Tensor) else False
     _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block)
-    if config is not None and (not isinstance(config, FwdConfig) or SCALE_BLOCK_MULTIPLE % config.block_n):
-        raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE}, got {config!r}")
     if backend not in FP8_BACKENDS:
         raise ValueError(f"backend must be one of {FP8_BACKENDS}, got {backend!r}")
+    gluon_config = _gluon_config_or_none(config, backend)
+    if gluon_config is None and config is not None and (not isinstance(config, FwdConfig)
+                                                         or SCALE_BLOCK_MULTIPLE % config.block_n):
+        raise ValueError(f"config must be a FwdConfig whose block_n divides {SCALE_BLOCK_MULTIPLE} (or a GluonConfig "
+                         f"with backend='gluon'), got {config!r}")
     window = checks.unbounded_past(checks.normalized_window(window_size, causal), q.shape[1] + k.shape[1])
     scale = checks.softmax_scale_or_default(softmax_scale, q.shape[3])
     if not scale > 0:
@@ -155,14 +181,16 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     scales = ("one per (sequence, KV head): q_descale / k_descale / v_descale" if fp8_inputs else
               f"one per {scale_block} positions of each head, quantized here"
               + (" after the signed Hadamard rotation of Q and K" if hadamard else ""))
-    why_not = _why_not_gluon(q.device, dim, window, config)
+    why_not = _why_not_gluon(q.device, dim, window, config if gluon_config is None else None)
     if backend == "gluon" and why_not:
         raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
     if why_not is None and (backend == "gluon" or (backend == "auto" and FP8_GLUON_AUTO)):
         from ioattn.ops.gluon_forward import fp8_gluon_config
 
-        return FP8Plan("gluon", fp8_gluon_config(dim), f"backend={backend!r}: sm_90, D {dim}, "
-                       f"{'causal' if window[1] == 0 else 'full'} attention", scales, scale, window)
+        chosen = gluon_config or fp8_gluon_config(dim, masked=window[1] == 0)
+        return FP8Plan("gluon", chosen, f"backend={backend!r}: sm_90, D {dim}, "
+                       f"{'causal' if window[1] == 0 else 'full'} attention"
+                       + ("" if gluon_config is None else "; config= given"), scales, scale, window)
     if backend == "triton":
         reason = "backend='triton'"
     elif why_not is not None:
@@ -181,7 +209,8 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
     q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
     Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
-    config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s. backend: "gluon"
+    config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s; or with
+    backend="gluon" a GluonConfig (`ioattn.ops.gluon_forward`) for the Gluon one. backend: "gluon"
     (sm_90: the warp-specialized kernel; D <= 128, full or causal attention), "triton", or "auto" (Gluon where it
     takes the call). `ioattn.explain(q, k, v, api="fp8", ...)` says which runs and why."""
     chosen = plan_fp8(q, k, v, causal, window_size, softmax_scale, q_descale=q_descale, k_descale=k_descale,
@@ -189,6 +218,7 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
                       backend=backend)
     batch, n_q, heads_q, dim = q.shape
     n_k, heads_kv = k.shape[1], k.shape[2]
+    permute_keys = chosen.kernel == "gluon" and not chosen.config.fp8_p_shared  # P·V from registers
     if q.dtype == FP8_FORWARD_DTYPE:
         out_dtype = torch.bfloat16
         # One scale per sequence: a single block spanning both lengths, a whole number of kernel tiles.
@@ -196,13 +226,13 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
         group = heads_q // heads_kv
         q_scales = q_descale.repeat_interleave(group, dim=1)[..., None].contiguous()
         k_scales, v_scales = k_descale[..., None].contiguous(), v_descale[..., None].contiguous()
-        q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), transposed(v)
+        q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), transposed(v, permute_keys)
     else:
         out_dtype, block = q.dtype, scale_block
         rotation = hadamard_rotation(dim, q.device) if hadamard else None
         q_codes, q_scales = quantize_blocks(q, block, rotation)
         k_codes, k_scales = quantize_blocks(k, block, rotation)
-        v_codes, v_scales = quantize_blocks(v, block, transpose=True)
+        v_codes, v_scales = quantize_blocks(v, block, transpose=True, permute_keys=permute_keys)
     # Triton's interpreter stores bfloat16 by truncation: it writes float32 there, rounded to nearest by torch.
     kernel_dtype = torch.float32 if interpreted() and out_dtype == torch.bfloat16 else out_dtype
     out = torch.empty(batch, n_q, heads_q, dim, dtype=kernel_dtype, device=q.device)
@@ -238,6 +268,21 @@ def _why_not_gluon(device: torch.device, head_dim: int, window: tuple[int, int],
     if config is not None:
         return "config= sets the Triton kernel's tiles"
     return None
+
+
+def _gluon_config_or_none(config, backend):
+    """config when it is a GluonConfig for the Gluon kernel (backend='gluon' only; its block_n must divide the
+    scale blocks and rescale_threshold be at most FP8_MAX_RESCALE_THRESHOLD), else None."""
+    from ioattn.ops.gluon_forward import FP8_MAX_RESCALE_THRESHOLD, GluonConfig
+
+    if not isinstance(config, GluonConfig):
+        return None
+    if backend != "gluon":
+        raise ValueError(f"config: a GluonConfig needs backend='gluon', got backend={backend!r}")
+    if SCALE_BLOCK_MULTIPLE % config.block_n or not 0 <= config.rescale_threshold <= FP8_MAX_RESCALE_THRESHOLD:
+        raise ValueError(f"config must have a block_n dividing {SCALE_BLOCK_MULTIPLE} and rescale_threshold in "
+                         f"0..{FP8_MAX_RESCALE_THRESHOLD} for the fp8 forward, got {config!r}")
+    return config
 
 
 def _check_inputs(q, k, v, fp8_inputs, q_descale, k_descale, v_descale, hadamard, scale_block) -> None:

@@ -45,6 +45,10 @@ class GluonConfig:
     # the persistent loop's order: every other round of work tiles from its far end (the kernel's _snake), so
     # programs that drew a long causal tile draw a short one next; a permutation of the same static assignment
     snake: bool = False
+    # the fp8 forward: P to the P·V wgmma through shared memory (a store and a fence per tile), else from registers
+    # with V's keys permuted in groups of 16 so that S's accumulator layout is the operand's (the kernel's
+    # _fp8_operand)
+    fp8_p_shared: bool = False
 
     def __post_init__(self):
         check_launch_config(self)
@@ -83,6 +87,9 @@ _FP8_CONFIGS = {
 }
 
 
+# The fp8 forward rounds P x 2**(8 - threshold) to e4m3: each bit of threshold takes one from the small end of the
+# probabilities' range (e4m3's subnormals end at 2**-9; with 2 bits, P below 2**-15 of the running max rounds to 0)
+FP8_MAX_RESCALE_THRESHOLD = 4.0
 BARRIER_BYTES = 1024  # the mbarriers and the allocator's alignment, with room to spare
 
 
@@ -110,8 +117,11 @@ def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
     return _CONFIGS[head_dim] if masked else _UNMASKED_CONFIGS.get(head_dim, _CONFIGS[head_dim])
 
 
-def fp8_gluon_config(head_dim: int) -> GluonConfig:
-    return _FP8_CONFIGS[head_dim]
+def fp8_gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
+    """The fp8 forward's tiles; masked (causal): P goes through shared memory, whose key loops spill nothing
+    (from registers, the masked loops spill at 240 registers per consumer: the sm_90 build's check)."""
+    cfg = _FP8_CONFIGS[head_dim]
+    return dataclasses.replace(cfg, fp8_p_shared=True) if masked else cfg
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
@@ -240,19 +250,22 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
 
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
-    cfg = fp8_gluon_config(d) if config is None else config
-    if cfg.rescale_threshold > 0:  # P x 2**8 below 2**threshold x 2**8 must stay under e4m3's 448
-        raise ValueError(f"config.rescale_threshold must be 0 for the fp8 forward, got {cfg.rescale_threshold}")
+    cfg = fp8_gluon_config(d, masked=causal) if config is None else config
+    if not 0 <= cfg.rescale_threshold <= FP8_MAX_RESCALE_THRESHOLD:
+        raise ValueError(f"config.rescale_threshold must be in 0..{FP8_MAX_RESCALE_THRESHOLD} for the fp8 forward, got "
+                         f"{cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
+    # one K and V scale per key tile: the kernel indexes them without a division
+    k_scale, v_scale = (t.repeat_interleave(block // cfg.block_n, dim=-1) for t in (k_scale, v_scale))
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
-        BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake,
+        BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake, P_SHARED=cfg.fp8_p_shared,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
-        scale_blocks_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        scale_tiles_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 

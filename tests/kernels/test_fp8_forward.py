@@ -3,6 +3,7 @@ and two-level accumulation, against float64 attention on the dequantized inputs 
 probabilities' rounding) and on the original ones (everything), on the CPU under Triton's interpreter (exact fp8
 products) and on the GPU."""
 
+import dataclasses
 import math
 
 import pytest
@@ -187,6 +188,55 @@ def test_fp8_forward_on_gpu_e4m3_inputs_lse_and_short_sequences(backend):
         seen = visible.any(-1)
         assert torch.allclose(lse[..., seen].double(), expected[..., seen], atol=2e-2)
         assert (lse[..., ~seen] == float("-inf")).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p_shared, threshold", [(False, 0.0), (True, 0.0), (False, 2.0)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale_block", [128, 384])
+def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, causal, scale_block):
+    """P from registers (V's keys permuted in groups of 16) and P through shared memory give the same attention,
+    with scales that change every tile or every third tile (the kernel reads one per tile), and with O rescaled
+    only when a row's max grows by more than 2**threshold (P then rounded x 2**(8 - threshold))."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized kernel is sm_90 only")
+    from ioattn.ops.gluon_forward import fp8_gluon_config
+
+    config = dataclasses.replace(fp8_gluon_config(128), fp8_p_shared=p_shared, rescale_threshold=threshold)
+    q, k, v = qkv(2, 700, 1001, 8, 2, 128, device="cuda")
+    v[:, 1000] = 30.0  # the last key, in a partial group of 16, large: a key moved out of place shows
+    poison = q.new_full((64 << 20,), float("nan"))
+    del poison
+    out = ioattn.flash_attn_fp8_func(q, k, v, causal=causal, scale_block=scale_block, backend="gluon",
+                                     config=config)
+    torch.cuda.synchronize()
+    assert rel(out, reference_on_dequantized(q, k, v, causal, block=scale_block)) < KERNEL_TOL
+
+
+def test_gluon_config_is_for_the_gluon_backend_only():
+    from ioattn.ops.gluon_forward import fp8_gluon_config
+
+    q, k, v = qkv(1, 8, 8, 2, 1, 64)
+    with pytest.raises(ValueError, match="backend='gluon'"):
+        ioattn.flash_attn_fp8_func(q, k, v, config=fp8_gluon_config(64))
+    with pytest.raises(ValueError, match="rescale_threshold in 0..4"):
+        ioattn.flash_attn_fp8_func(q, k, v, backend="gluon",
+                                   config=dataclasses.replace(fp8_gluon_config(64), rescale_threshold=8.0))
+
+
+def test_key_permuted_layouts_agree():
+    """V for P from registers: position 16g + p of the transposed codes holds key 16g + KEY_ORDER[p], from the
+    quantizer's one pass and from `transposed` alike; zeros past the end."""
+    x = torch.randn(2, 200, 3, 64, dtype=torch.bfloat16)
+    codes, _ = fa8.quantize_blocks(x, 128)
+    plain = fa8.transposed(codes).view(torch.uint8)
+    order = torch.tensor(fa8.KEY_ORDER)
+    expected = plain.reshape(2, 3, 64, -1, 16)[..., order].reshape(plain.shape)
+    assert sorted(fa8.KEY_ORDER) == list(range(16))
+    assert torch.equal(fa8.transposed(codes, permute_keys=True).view(torch.uint8), expected)
+    codes_t, _ = fa8.quantize_blocks(x, 128, transpose=True, permute_keys=True)
+    assert torch.equal(codes_t.view(torch.uint8)[..., :208], expected)
+    assert (codes_t.view(torch.uint8)[..., 208:] == 0).all()
 
 
 def test_transposed_quantization_matches_the_plain_one():
