@@ -205,6 +205,28 @@ def _fp8_operand(p, p_layout: gl.constexpr):
 
 
 @gluon.jit
+def _pack_pairs(p, dtype: gl.constexpr):
+    """16-bit P carried round the key loop as int32 pairs (S's accumulator holds keys 2t, 2t + 1 of a row in one
+    thread, as the operand wants them): 16-bit values carried one by one are re-paired by a PRMT each where the
+    wgmma reads them (32 of a 64 x 128 tile's ~500 instructions, sm_90 build)."""
+    M: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
+    even, odd = p.reshape([M, N // 2, 2]).split()
+    cvt: gl.constexpr = "cvt.rn.bf16x2.f32 $0, $2, $1;" if dtype == gl.bfloat16 else "cvt.rn.f16x2.f32 $0, $2, $1;"
+    return gl.inline_asm_elementwise(cvt, "=r,r,r", [even, odd], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _unpack_pairs(pairs, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """The P·V wgmma's A operand from `_pack_pairs`' int32 pairs (the split and re-pairing fold away)."""
+    M: gl.constexpr = pairs.shape[0]
+    N: gl.constexpr = pairs.shape[1] * 2
+    even, odd = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [pairs], dtype=(dtype.value, dtype.value),
+                                          is_pure=True, pack=1)
+    return gl.convert_layout(gl.join(even, odd).reshape([M, N]), p_layout)
+
+
+@gluon.jit
 def _take_turn(turns, c: gl.constexpr, slot, PINGPONG: gl.constexpr):
     """Ping-pong: the consumers issue their wgmmas in turn (0, 1, .., 0, ..), so one warpgroup's softmax runs
     while another's matmuls hold the tensor cores. Consumer c > 0's slot k waits for consumer c - 1 to hand over
@@ -384,7 +406,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     p_smem.store(p.to(dtype))
                     fence_async_shared()
                 elif not FP8:  # FP8: converted where its P·V is issued
-                    p = gl.convert_layout(p.to(dtype), p_layout)
+                    p = _pack_pairs(p, dtype)
                 # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
                 # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
                 # copy spills (the persistent loop's state does, once per work tile)
@@ -407,6 +429,8 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         prev = (it + j - 1) % STAGES
                         if PV_FIRST:
                             p_op = _fp8_operand(p, p_layout)
+                        elif not FP8:
+                            p_op = _unpack_pairs(p, dtype, p_layout)
                         mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                         _take_turn(turns, c, slot_base + j, PINGPONG)
@@ -423,7 +447,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                             k_scale_next = _tile_scale(k_scales, first + j + 1, scale_tiles_k - 1)
                             v_scale_prev = _tile_scale(v_scales, first + j, scale_tiles_k - 1)
                         else:
-                            o = warpgroup_mma(p, v_smem.index(prev), o, is_async=True)
+                            o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
                         _pass_turn(turns, c, PINGPONG)
                         if PV_FIRST:  # P·V is done (S may still run): O takes it before the softmax needs registers
                             pv = warpgroup_mma_wait(1, deps=[pv])
@@ -447,7 +471,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         else:
                             p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
                                                                              RESCALE_THRESHOLD, P_LOG2)
-                            o, p = warpgroup_mma_wait(0, deps=[o, p])
+                            o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
                             mbarrier.arrive(v_empty.index(prev), count=1)
                         if rescale:
                             o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
@@ -457,13 +481,15 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         elif FP8:
                             p = p_next
                         else:
-                            p = gl.convert_layout(p_next.to(dtype), p_layout)
+                            p = _pack_pairs(p_next, dtype)
                 if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
                     mbarrier.arrive(q_empty.index(c), count=1)
                 # slot n_own: the last tile's P·V
                 last = (it + n_own - 1) % STAGES
                 if FP8 and not P_SHARED:
                     p_op = _fp8_operand(p, p_layout)
+                elif not FP8:
+                    p_op = _unpack_pairs(p, dtype, p_layout)
                 mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
                 _take_turn(turns, c, slot_base + n_own, PINGPONG)
                 if FP8:
@@ -473,9 +499,9 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     pv = warpgroup_mma_wait(0, deps=[pv])
                     o = o + pv * v_scale_prev
                 else:
-                    o = warpgroup_mma(p, v_smem.index(last), o, is_async=True)
+                    o = warpgroup_mma(p_op, v_smem.index(last), o, is_async=True)
                     _pass_turn(turns, c, PINGPONG)
-                    o = warpgroup_mma_wait(0, deps=[o, p])[0]
+                    o = warpgroup_mma_wait(0, deps=[o, p_op])[0]
                 mbarrier.arrive(v_empty.index(last), count=1)
             elif SEPARATE_O:
                 mbarrier.arrive(q_empty.index(c), count=1)
