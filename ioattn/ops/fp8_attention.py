@@ -103,16 +103,18 @@ def transposed(codes: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     16-byte aligned), keys contiguous: the operand layout of the kernel's fp8 P·V; with permute_keys, each group of
     16 keys in `KEY_ORDER` (zeros past N)."""
     batch, n, heads, dim = codes.shape
-    out = torch.zeros(batch, heads, dim, -(-n // 16) * 16, dtype=codes.dtype, device=codes.device)
-    source = codes.permute(0, 2, 3, 1)
+    out = torch.empty(batch, heads, dim, -(-n // 16) * 16, dtype=codes.dtype, device=codes.device)
+    whole = n // 16 * 16 if permute_keys else n  # keys in whole groups of 16, copied in one strided pass
+    out[..., whole:].zero_()
     if not permute_keys:
-        out[..., :n] = source
+        out[..., :n] = codes.permute(0, 2, 3, 1)
         return out
-    order = torch.tensor(KEY_ORDER, device=codes.device)
-    positions = torch.argsort(order).repeat(out.shape[-1] // 16) + torch.arange(out.shape[-1], device=codes.device
-                                                                                 ) // 16 * 16
-    # one pass: key i written at its position (bytes: index_copy_ takes no fp8)
-    out.view(torch.uint8).index_copy_(3, positions[:n], source.view(torch.uint8))
+    # key 16g + 8b + 2t + e goes to position 16g + 4t + 2b + e: (B, g, b, t, e, H, D) -> (B, H, D, g, t, b, e)
+    grouped = codes[:, :whole].view(batch, whole // 16, 2, 4, 2, heads, dim)
+    out[..., :whole].view(batch, heads, dim, whole // 16, 4, 2, 2).copy_(grouped.permute(0, 5, 6, 1, 3, 2, 4))
+    if whole < n:  # the last, partial group (bytes: index_copy_ takes no fp8)
+        positions = whole + torch.argsort(torch.tensor(KEY_ORDER, device=codes.device))[: n - whole]
+        out.view(torch.uint8).index_copy_(3, positions, codes[:, whole:].permute(0, 2, 3, 1).view(torch.uint8))
     return out
 
 
