@@ -143,7 +143,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, separate_o, tile_layout
 
     fp8 = dtype == "fp8"
-    cfg = fp8_gluon_config(head_dim, masked=causal) if fp8 else gluon_config(head_dim, masked=causal or window)
+    cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim, masked=causal or window)
     block_n, stages = block_n or cfg.block_n, stages or cfg.stages
     pingpong = cfg.pingpong if pingpong is None else pingpong
     gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8e4nv"}[dtype]

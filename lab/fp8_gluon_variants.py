@@ -22,8 +22,9 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-VARIANTS = {"registers": {}, "shared": {"fp8_p_shared": True}, "registers-s4": {"stages": 4},
-            "registers-t2": {"rescale_threshold": 2.0}}
+VARIANTS = {"registers": {"fp8_p_shared": False}, "shared": {"fp8_p_shared": True},
+            "registers-s4": {"fp8_p_shared": False, "stages": 4},
+            "registers-t2": {"fp8_p_shared": False, "rescale_threshold": 2.0}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -66,8 +67,7 @@ def main() -> None:
     variants = dict(VARIANTS)
     variants.update(parse_variant(v) for v in args.variant)
     configs = {name: dataclasses.replace(fp8_gluon_config(128), **fields) for name, fields in variants.items()}
-    # the default's own choice per mask (causal: P through shared memory) beside the fixed variants
-    configs = {"default": None, **configs}
+    configs = {"default": None, **configs}  # fp8_gluon_config's own
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "variants": {name: str(cfg) for name, cfg in configs.items()}, "exactness": [], "rows": []}
 

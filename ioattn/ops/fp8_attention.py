@@ -189,7 +189,7 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     if why_not is None and (backend == "gluon" or (backend == "auto" and FP8_GLUON_AUTO)):
         from ioattn.ops.gluon_forward import fp8_gluon_config
 
-        chosen = gluon_config or fp8_gluon_config(dim, masked=window[1] == 0)
+        chosen = gluon_config or fp8_gluon_config(dim)
         return FP8Plan("gluon", chosen, f"backend={backend!r}: sm_90, D {dim}, "
                        f"{'causal' if window[1] == 0 else 'full'} attention"
                        + ("" if gluon_config is None else "; config= given"), scales, scale, window)

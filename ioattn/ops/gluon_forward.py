@@ -47,8 +47,9 @@ class GluonConfig:
     snake: bool = False
     # the fp8 forward: P to the P·V wgmma through shared memory (a store and a fence per tile), else from registers
     # with V's keys permuted in groups of 16 so that S's accumulator layout is the operand's (the kernel's
-    # _fp8_operand)
-    fp8_p_shared: bool = False
+    # _fp8_operand). From registers measured 1.03-1.05x at D 128 N 8k-16k without a mask but 0.86x at 4k and
+    # 0.90-0.97x causal (bench/results/2026-12-07-snake-fp8-regs-h100): shared memory stays the default
+    fp8_p_shared: bool = True
 
     def __post_init__(self):
         check_launch_config(self)
@@ -73,11 +74,19 @@ _CONFIGS = {
     128: GluonConfig(block_n=128, stages=2),  # 32 KB + 2 x 64 KB
     256: GluonConfig(block_n=64, stages=2),  # 64 KB + 2 x 64 KB
 }
+# Masked (causal, windows), every other round of the persistent loop runs from its far end (the kernel's _snake): on
+# an H100 1.23x at D 128 N 2k causal, 1.01-1.03x at 8k-16k, D 256 1.08x at 16k and 2k, 0.99x at 8k
+# (bench/results/2026-12-07-snake-fp8-regs-h100).
+_MASKED_CONFIGS = {d: dataclasses.replace(cfg, snake=True) for d, cfg in _CONFIGS.items()}
+# D 64 masked with many keys: three consumer warpgroups on 128-key tiles, in snake order: 1.01x cuDNN at N 8k
+# causal and 1.09x at 16k, where two warpgroups ran 0.90-0.92x; at 2k 0.71x (two: 0.85x). From this many keys.
+C3_MASKED_MIN_KEYS = 8192
 # Without a causal mask or window, D 64 takes three consumer warpgroups (FA3's 192-row tiles): 1.09-1.13x the
 # two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). Masked, the
 # same tiles spill in the key loop at 160 registers per consumer and ran 0.51-0.99x cuDNN: the masked calls keep two.
 # 24 KB Q + 24 KB O + 3 x 32 KB.
 _UNMASKED_CONFIGS = {64: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160)}
+_MASKED_MANY_KEYS_CONFIGS = {64: dataclasses.replace(_UNMASKED_CONFIGS[64], snake=True)}
 HEAD_DIMS = tuple(_CONFIGS)
 # The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
 _FP8_CONFIGS = {
@@ -112,25 +121,29 @@ def _grid(cfg: GluonConfig, device: torch.device, work_tiles: int) -> tuple[int]
     return (min(work_tiles, _sm_count(device.index)) if cfg.persistent else work_tiles,)
 
 
-def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
-    """The head dim's tiles; masked: a causal mask or a sliding window bounds the keys a row sees."""
-    return _CONFIGS[head_dim] if masked else _UNMASKED_CONFIGS.get(head_dim, _CONFIGS[head_dim])
+def gluon_config(head_dim: int, masked: bool = False, keys: int | None = None) -> GluonConfig:
+    """The head dim's tiles; masked: a causal mask or a sliding window bounds the keys a row sees; keys: the
+    fewest of (Nq, Nk) when known (dense calls)."""
+    if not masked:
+        return _UNMASKED_CONFIGS.get(head_dim, _CONFIGS[head_dim])
+    if keys is not None and keys >= C3_MASKED_MIN_KEYS and head_dim in _MASKED_MANY_KEYS_CONFIGS:
+        return _MASKED_MANY_KEYS_CONFIGS[head_dim]
+    return _MASKED_CONFIGS[head_dim]
 
 
-def fp8_gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
-    """The fp8 forward's tiles; masked (causal): P goes through shared memory, whose key loops spill nothing
-    (from registers, the masked loops spill at 240 registers per consumer: the sm_90 build's check)."""
-    cfg = _FP8_CONFIGS[head_dim]
-    return dataclasses.replace(cfg, fp8_p_shared=True) if masked else cfg
+def fp8_gluon_config(head_dim: int) -> GluonConfig:
+    """The fp8 forward's tiles (P through shared memory: GluonConfig.fp8_p_shared)."""
+    return _FP8_CONFIGS[head_dim]
 
 
 # Where `backend="auto"` takes the Gluon forward over the Triton one: (head dim, causal) -> the fewest query and key
 # tokens per sequence from which it was measured faster (bf16, B·N = 16k, H·D = 2048, persistent, bands of 16:
 # bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100): 1.14-1.28x the Triton forward at D128 (N 2k-16k, causal
 # and not, GQA 16/4), 1.21-1.38x at D256; D64 without a mask on three consumer warpgroups: 1.09-1.13x
-# (bench/results/2026-12-07-stage-out-c3-h100). Causal D64 stays on the Triton forward (0.64-1.02x there).
-GLUON_FASTER: dict[tuple[int, bool], int] = {(64, False): 2048, (128, False): 2048, (128, True): 2048,
-                                             (256, False): 2048, (256, True): 2048}
+# (bench/results/2026-12-07-stage-out-c3-h100). Causal D64 in snake order: 1.08x the Triton forward at N 2k (two
+# warpgroups), 1.10-1.16x at 8k-16k (three; bench/results/2026-12-07-snake-fp8-regs-h100).
+GLUON_FASTER: dict[tuple[int, bool], int] = {(64, False): 2048, (64, True): 2048, (128, False): 2048,
+                                             (128, True): 2048, (256, False): 2048, (256, True): 2048}
 
 
 def gluon_faster(head_dim: int, causal: bool, n_q: int, n_k: int) -> str | None:
@@ -250,7 +263,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
 
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
-    cfg = fp8_gluon_config(d, masked=causal) if config is None else config
+    cfg = fp8_gluon_config(d) if config is None else config
     if not 0 <= cfg.rescale_threshold <= FP8_MAX_RESCALE_THRESHOLD:
         raise ValueError(f"config.rescale_threshold must be in 0..{FP8_MAX_RESCALE_THRESHOLD} for the fp8 forward, got "
                          f"{cfg.rescale_threshold}")
@@ -303,7 +316,8 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
     from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
-    cfg = gluon_config(d, masked=window_left >= 0 or window_right >= 0) if config is None else config
+    masked = window_left >= 0 or window_right >= 0
+    cfg = gluon_config(d, masked, keys=min(n_q, n_k)) if config is None else config
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
