@@ -14,10 +14,12 @@ probabilities to e4m3 after x 256, and add each tile's P·V, computed in a fresh
 with the tile's V scale (two-level accumulation, so no fp8 accumulation spans more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
 output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
 
-Kernels: the Triton forward, or with backend="gluon" on sm_90 (D <= 128, full or causal) the warp-specialized
-Gluon forward (`ioattn.kernels.gluon_fwd`, FP8 mode; auto takes it again once measured: FP8_GLUON_AUTO); V is
-handed to both transposed (keys contiguous: fp8 wgmma reads only K-major operands). Speed: not yet a speedup over bf16. On an H100 the kernel runs at 0.49-1.01x our bf16 forward at D 128
-(bench/results/2026-12-06-fp8-forward-h100: bound by per-tile CUDA-core work, not the tensor cores); opt-in only.
+Kernels: on sm_90 (D <= 128, full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`, FP8
+mode; auto takes it: FP8_GLUON_AUTO), else the Triton forward; V is handed to both transposed (keys contiguous:
+fp8 wgmma reads only K-major operands; for the Gluon kernel's P from registers, its keys permuted: KEY_ORDER).
+Speed: not a speedup over bf16. On an H100 the Gluon kernel runs at 0.49-0.99x our bf16 forward at D 128 N 4k-16k
+(the register path up to 1.04x), bound by the per-tile CUDA-core work the two share, not by the tensor cores
+(bench/results/2026-12-07-snake-fp8-regs-h100).
 
 Supported: the dense layout (B, N, H, D), D in 64, 128, 256, GQA, causal and windows (bottom-right), no
 gradient. CUDA needs compute capability 8.9+ (fp8 tensor cores); on the CPU the same kernel runs under Triton's
@@ -134,10 +136,9 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
 
 
 FP8_BACKENDS = ("auto", "triton", "gluon")
-# auto takes the Gluon kernel where it can only once a GPU run has measured it: it was rewritten on 2026-12-06
-# (persistent grid) and has not run since; before, it was within +-10% of the Triton one
-# (bench/results/2026-12-06-fp8-forward-h100)
-FP8_GLUON_AUTO = False
+# auto takes the Gluon kernel where it can: on an H100 1.01-1.19x the Triton one at D 128 N 4k-16k, causal and not,
+# but 0.97x at 4k causal (bench/results/2026-12-07-snake-fp8-regs-h100)
+FP8_GLUON_AUTO = True
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     elif why_not is not None:
         reason = f"the Gluon kernel does not take it: {why_not}"
     else:
-        reason = "auto: the Gluon kernel is not measured since its 2026-12-06 rewrite (FP8_GLUON_AUTO)"
+        reason = "auto: the Gluon kernel is switched off (FP8_GLUON_AUTO)"
     chosen = config or fp8_config(dim, window[1] == 0, device_capability(q.device), q.shape[1])
     return FP8Plan("triton", chosen, reason + ("" if config is None else "; config= given"), scales, scale, window)
 
