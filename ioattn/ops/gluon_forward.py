@@ -82,9 +82,9 @@ _MASKED_CONFIGS = {d: dataclasses.replace(cfg, snake=True) for d, cfg in _CONFIG
 # causal and 1.09x at 16k, where two warpgroups ran 0.90-0.92x; at 2k 0.71x (two: 0.85x). From this many keys.
 C3_MASKED_MIN_KEYS = 8192
 # Without a causal mask or window, D 64 takes three consumer warpgroups (FA3's 192-row tiles): 1.09-1.13x the
-# two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). Masked, the
-# same tiles spill in the key loop at 160 registers per consumer and ran 0.51-0.99x cuDNN: the masked calls keep two.
-# 24 KB Q + 24 KB O + 3 x 32 KB.
+# two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). Masked, their
+# masked key-loop copies spill at 160 registers per consumer: masked calls take them from C3_MASKED_MIN_KEYS keys
+# only. 24 KB Q + 24 KB O + 3 x 32 KB.
 _UNMASKED_CONFIGS = {64: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160)}
 _MASKED_MANY_KEYS_CONFIGS = {64: dataclasses.replace(_UNMASKED_CONFIGS[64], snake=True)}
 HEAD_DIMS = tuple(_CONFIGS)
