@@ -227,6 +227,18 @@ def _unpack_pairs(pairs, dtype: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """The P·V wgmma's A operand in registers, built where the wgmma is issued: fp8 from fp32 P (`_fp8_operand`),
+    16-bit from `_pack_pairs`' int32 pairs."""
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    if FP8:
+        operand = _fp8_operand(p, p_layout)
+    else:
+        operand = _unpack_pairs(p, dtype, p_layout)
+    return operand
+
+
+@gluon.jit
 def _take_turn(turns, c: gl.constexpr, slot, PINGPONG: gl.constexpr):
     """Ping-pong: the consumers issue their wgmmas in turn (0, 1, .., 0, ..), so one warpgroup's softmax runs
     while another's matmuls hold the tensor cores. Consumer c > 0's slot k waits for consumer c - 1 to hand over
@@ -427,10 +439,8 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     for j in range(j_start, j_end):
                         stage = (it + j) % STAGES
                         prev = (it + j - 1) % STAGES
-                        if PV_FIRST:
-                            p_op = _fp8_operand(p, p_layout)
-                        elif not FP8:
-                            p_op = _unpack_pairs(p, dtype, p_layout)
+                        if not P_SHARED:
+                            p_op = _p_operand(p, dtype, p_layout)
                         mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
                         mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
                         _take_turn(turns, c, slot_base + j, PINGPONG)
@@ -450,6 +460,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                             o = warpgroup_mma(p_op, v_smem.index(prev), o, is_async=True)
                         _pass_turn(turns, c, PINGPONG)
                         if PV_FIRST:  # P·V is done (S may still run): O takes it before the softmax needs registers
+                            # (the wait takes no 8-bit dependency: p_op is not written again before it)
                             pv = warpgroup_mma_wait(1, deps=[pv])
                             mbarrier.arrive(v_empty.index(prev), count=1)
                             o = o + pv * v_scale
@@ -486,10 +497,8 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     mbarrier.arrive(q_empty.index(c), count=1)
                 # slot n_own: the last tile's P·V
                 last = (it + n_own - 1) % STAGES
-                if FP8 and not P_SHARED:
-                    p_op = _fp8_operand(p, p_layout)
-                elif not FP8:
-                    p_op = _unpack_pairs(p, dtype, p_layout)
+                if not P_SHARED:
+                    p_op = _p_operand(p, dtype, p_layout)
                 mbarrier.wait(v_ready.index(last), ((it + n_own - 1) // STAGES) & 1)
                 _take_turn(turns, c, slot_base + n_own, PINGPONG)
                 if FP8:

@@ -155,12 +155,13 @@ class FP8Plan:
     def __str__(self) -> str:
         kernel = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (FP8 mode)" if self.kernel == "gluon"
                   else "ioattn.kernels.prefill_fwd.prefill_fwd_kernel (FP8=True)")
-        p_path = ""
+        p_path, p_scale = "", "256"
         if self.kernel == "gluon":
+            p_scale = f"2**{8 - self.config.rescale_threshold:g}"
             p_path = (", P through shared memory" if self.config.fp8_p_shared
                       else ", P from registers (V's keys permuted in groups of 16)")
         return (f"fp8 forward: {kernel} {self.config}; {self.reason}; scales: {self.scales}; e4m3 Q·Kᵀ and P·V "
-                f"(P x 256 rounded to e4m3{p_path}), two-level accumulation; window {self.window}")
+                f"(P x {p_scale} rounded to e4m3{p_path}), two-level accumulation; window {self.window}")
 
 
 def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *, q_descale=None, k_descale=None,
