@@ -3,6 +3,7 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
+#   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
 #   fp8:    the Gluon fp8 forward with P from registers (the default), through shared memory, and with 4 stages,
@@ -109,6 +110,11 @@ snake_order() {
     timeout 80 python3 lab/gluon_fwd_bench.py --head-dims 128,256 --causal yes --variant "snake:snake=true" \
         --only gluon,gluon-snake,torch-cudnn --budget-s 60 2>&1 | grep -v Warning | cut -c1-200
 }
+harness_gap() {
+    source "$lab/device_log.sh" gap.log
+    step "causal N 2k: the public call, the Gluon forward called directly, cuDNN; host time per call"
+    timeout 80 python3 lab/harness_gap.py "$OUT/gap.json" 2>&1 | grep -v Warning | cut -c1-600
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -122,6 +128,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
+run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part fp8 150 bash -c "$(declare -f fp8_variants); lab=$lab; fp8_variants"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
