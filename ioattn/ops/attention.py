@@ -45,7 +45,7 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
             torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
     if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: unmasked, 16-bit, sm_90
-        from ioattn.ops.gluon_forward import gluon_forward, gluon_forward_packed
+        from ioattn.ops.gluon_forward import gluon_forward_packed, launch_dense
 
         if inputs.varlen:
             gluon_forward_packed(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
@@ -53,8 +53,8 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
                                  window_right=inputs.window_right, softmax_scale=inputs.softmax_scale, out=out,
                                  lse=lse, config=plan.config)
         else:
-            gluon_forward(inputs.q, inputs.k, inputs.v, window_size=(inputs.window_left, inputs.window_right),
-                          softmax_scale=inputs.softmax_scale, out=out, lse=lse, config=plan.config)
+            launch_dense(inputs.q, inputs.k, inputs.v, inputs.window_left, inputs.window_right, inputs.softmax_scale,
+                         out, lse, plan.config)
         return
     if plan.upcast:
         out32 = torch.empty(out.shape, dtype=torch.float32, device=out.device)

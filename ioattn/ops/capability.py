@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ioattn.kernels import interpreted
@@ -13,7 +15,15 @@ MAX_GRID_Y = 65535  # CUDA's limit on a launch grid's second dimension (the kern
 
 
 def device_capability(device: torch.device) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    """Asked on every attention call: torch's lookup costs microseconds of host time each."""
+    return torch.cuda.get_device_capability(index)
 
 
 def interpreter_upcast(dtype: torch.dtype) -> bool:

@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 
-from ioattn.ops.capability import HOPPER_SHARED_MEMORY, SIXTEEN_BIT
+from ioattn.ops.capability import HOPPER_SHARED_MEMORY, SIXTEEN_BIT, device_capability
 from ioattn.ops.launch_config import check_launch_config
 
 BLOCK_M = 64  # query rows per consumer warpgroup: the wgmma atom (see the kernel's docstring)
@@ -164,11 +164,20 @@ def tensors_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def tile_layout(rows: int, head_dim: int, dtype_name: str):
-    """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64)."""
+    """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64); built once,
+    as Gluon's constructor costs ~10 us of host time a call."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], getattr(gl, dtype_name))
+
+
+@functools.lru_cache(maxsize=None)
+def _transposed_layout(head_dim: int, keys: int, dtype_name: str):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for([1, 1, head_dim, keys], getattr(gl, dtype_name))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -183,7 +192,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = device_capability(q.device)
     if major != 9:
         raise ValueError(f"q.device must be an sm_90 GPU (Hopper), got compute capability {major}.{minor}")
     batch, _, hq, d = q.shape
@@ -244,12 +253,10 @@ def _descriptor(t: torch.Tensor, rows: int):
 
 def _transposed_descriptor(vt: torch.Tensor, keys: int):
     """V transposed (B, Hkv, D, N'): boxes [1, 1, D, keys]."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    box = [1, 1, vt.shape[2], keys]
-    layout = gl.NVMMASharedLayout.get_default_for(box, getattr(gl, _GL_DTYPES[vt.dtype]))
-    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), box, layout)
+    layout = _transposed_layout(vt.shape[2], keys, _GL_DTYPES[vt.dtype])
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, vt.shape[2], keys], layout)
 
 
 def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales, *, causal: bool,
@@ -295,7 +302,6 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     window_left, window_right = _window(window_size, causal)
     _check(q, k, v, out)
     batch, n_q, hq, d = q.shape
-    n_k, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not scale > 0.0 or not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be positive and finite, got {softmax_scale}")
@@ -307,12 +313,23 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
             or lse.device != q.device:
         raise ValueError(f"lse must be a contiguous float32 ({batch}, {hq}, {n_q}) tensor on {q.device}, got "
                          f"{tuple(lse.shape)} {lse.dtype} on {lse.device}")
+    launch_dense(q, k, v, window_left, window_right, scale, out, lse, config)
+    return out, lse
+
+
+def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
+                 softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, config: GluonConfig | None) -> None:
+    """`gluon_forward` once its arguments are checked (as `dispatch.gluon_unsupported` checks them for the public
+    calls, so that a call pays for them once): windows -1 unbounded, out like q and lse (B, Hq, Nq) float32
+    contiguous given."""
+    batch, n_q, hq, d = q.shape
+    n_k, hkv = k.shape[1], k.shape[2]
     if batch == 0 or n_q == 0 or hq == 0:
-        return out, lse
+        return
     if n_k == 0:  # TMA boxes need a non-empty tensor; no key: O = 0, LSE = -inf
         out.zero_()
         lse.fill_(float("-inf"))
-        return out, lse
+        return
 
     from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
@@ -321,13 +338,12 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
-        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0), scale * LOG2E,
-        LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0),
+        softmax_scale * LOG2E, LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
         CONSUMERS=cfg.consumers, SNAKE=cfg.snake, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
-    return out, lse
 
 
 def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ioattn.ops.capability import HOPPER_SHARED_MEMORY, MAX_GRID_Y
+from ioattn.ops.capability import HOPPER_SHARED_MEMORY, MAX_GRID_Y, device_capability
 from ioattn.ops.gluon_paged import cache_descriptor
 
 ROPE_DIM = 64
@@ -44,7 +44,7 @@ def gluon_mla_unsupported(q: torch.Tensor, latent_cache: torch.Tensor, v_head_di
             or row * latent_cache.element_size() % 16 or latent_cache.data_ptr() % 16):
         return ("the Gluon MLA kernel reads latent_cache as rows of slots (stride(0) == block_size * stride(1), "
                 f"stride(3) == 1, 16-byte aligned rows), got strides {latent_cache.stride()}")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (q.is_cuda and device_capability(q.device) == (9, 0)):
         return f"the Gluon MLA kernel needs an sm_90 GPU, q is on {q.device}"
     return None
 

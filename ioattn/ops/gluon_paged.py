@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ioattn.ops.capability import device_capability
 from ioattn.ops.fp8 import is_fp8
 
 HEAD_DIMS = (64, 128, 256)
@@ -43,7 +44,7 @@ def gluon_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                 or row * cache.element_size() % 16 or cache.data_ptr() % 16):
             return (f"the Gluon paged kernel reads {name} as rows of slots (stride(0) == block_size * stride(1), "
                     f"stride(2) == head_dim, stride(3) == 1, 16-byte aligned rows), got strides {cache.stride()}")
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) == (9, 0)):
+    if not (q.is_cuda and device_capability(q.device) == (9, 0)):
         return f"the Gluon paged kernel needs an sm_90 GPU, q is on {q.device}"
     return None
 

@@ -30,7 +30,7 @@ from ioattn.kernels.paged_attention import paged_attention_kernel
 from ioattn.intmath import cdiv, next_power_of_2
 from ioattn.ops import torch_paged
 from ioattn.ops.cache import gather_cache, resolve_backend
-from ioattn.ops.capability import MAX_GRID_Y, interpreter_upcast
+from ioattn.ops.capability import MAX_GRID_Y, device_capability, interpreter_upcast
 from ioattn.ops.launch_config import check_launch_config
 from ioattn.ops.fp8 import (
     check_fp8_supported, check_scale_values, check_scales, is_fp8, kv_cache_dtype_name,
@@ -154,7 +154,7 @@ def candidate_configs(head_dim: int, dtype: torch.dtype = torch.bfloat16, *, dec
 @functools.cache
 def _dependent_launch_supported(device: torch.device) -> bool:
     """sm_90+: the split combine's programs can start while the split kernel drains (griddepcontrol)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and device_capability(device)[0] >= 9
 
 
 @functools.cache
