@@ -30,8 +30,8 @@ import torch
 from ioattn.bench import harness
 
 OUT = os.environ.get("OUT", "/tmp/out")
-SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64, 256) for n in (16384, 8192, 2048)
-          for causal in (False, True)] + [(128, 8192, True, 16, 4)]
+SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64, 256) for n in (16384, 8192, 4096, 2048)
+          for causal in (False, True)] + [(128, n, causal, 16, 4) for n, causal in ((8192, True), (8192, False), (2048, False))]
 # --configs: other tile shapes per head dim (block_n, ring stages), each timed as its own backend
 CONFIG_VARIANTS = {64: [(64, 4), (256, 2)], 128: [(64, 4), (64, 3)], 256: [(32, 4), (32, 3)]}
 TOKENS = 16384

@@ -160,7 +160,7 @@ def _stand_in_api():
 @pytest.mark.parametrize("backward", [False, True])
 def test_prefill_runs_end_to_end_with_a_stand_in(tmp_path, monkeypatch, backward):
     monkeypatch.setattr(prefill, "_ioattn_api", _stand_in_api)
-    argv = SMALL + ["--gqa", "1,2", "--out", str(tmp_path)] + (["--backward"] if backward else [])
+    argv = SMALL + ["--gqa", "1,2", "--out", str(tmp_path)] + (["--backward"] if backward else ["--rounds", "2"])
     assert prefill.main(argv) == 0
     (json_path,) = tmp_path.glob("*-prefill*-cpu.json")
     meta, rows = harness.read_json(json_path)
@@ -170,6 +170,9 @@ def test_prefill_runs_end_to_end_with_a_stand_in(tmp_path, monkeypatch, backward
     assert all(r.error < TOLERANCE[torch.float32] for r in rows)
     if backward:
         assert all({"error_dq", "error_dk", "error_dv", "fwd_bwd_tflops"} <= r.extra.keys() for r in rows)
+    else:  # two timing rounds, the backends taking turns: the row reports their median
+        assert all(len(r.extra["round_ms"]) == 2 and r.ms == pytest.approx(sum(r.extra["round_ms"]) / 2) for r in rows)
+        assert meta["settings"]["rounds"].startswith("2,")
     report = json_path.with_suffix(".md").read_text()
     assert "## ioattn / peer" in report and "stand-in: SDPA math" in report
     assert json_path.with_suffix(".png").exists()
