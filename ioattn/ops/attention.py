@@ -100,6 +100,22 @@ def _mask_for_backward(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> to
     return attn_mask.to(torch.float32)
 
 
+def _outputs_and_forward(q, inputs: AttentionInputs, plan: dispatch.Plan, sdpa_layout: bool):
+    """(out as the caller's layout, lse) allocated and filled following the plan."""
+    if sdpa_layout:  # (B, H, N, D) storage, so the returned tensor is contiguous as PyTorch's is
+        out_user = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out_flash = out_user.transpose(1, 2)
+    else:
+        out_user = out_flash = torch.empty(inputs.q.shape, dtype=q.dtype, device=q.device)
+    if inputs.varlen:
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(inputs.q.shape[0], inputs.q.shape[2], inputs.q.shape[1], dtype=torch.float32,
+                          device=q.device)
+    _forward(inputs, plan, out_flash, lse)
+    return out_user, lse
+
+
 class AttentionFunction(torch.autograd.Function):
     """Autograd wrapper of one attention call; `sdpa_layout` means q/k/v/out are (B, H, N, D) instead of
     (B, N, H, D). `attn_mask` is the user's mask as given (any broadcastable shape), an input so that an
@@ -107,17 +123,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, inputs: AttentionInputs, plan: dispatch.Plan, sdpa_layout: bool):
-        if sdpa_layout:  # (B, H, N, D) storage, so the returned tensor is contiguous as PyTorch's is
-            out_user = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            out_flash = out_user.transpose(1, 2)
-        else:
-            out_user = out_flash = torch.empty(inputs.q.shape, dtype=q.dtype, device=q.device)
-        if inputs.varlen:
-            lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-        else:
-            lse = torch.empty(inputs.q.shape[0], inputs.q.shape[2], inputs.q.shape[1], dtype=torch.float32,
-                              device=q.device)
-        _forward(inputs, plan, out_flash, lse)
+        out_user, lse = _outputs_and_forward(q, inputs, plan, sdpa_layout)
         ctx.save_for_backward(q, k, v, out_user, lse, attn_mask)
         ctx.inputs, ctx.plan, ctx.sdpa_layout = inputs, plan, sdpa_layout
         ctx.mark_non_differentiable(lse)
@@ -158,6 +164,9 @@ def _apply(q, k, v, inputs: AttentionInputs, backend: str, sdpa_layout: bool, de
            attn_mask=None, config: FwdConfig | None = None, bwd_config: BwdConfig | None = None):
     plan = dispatch.plan(inputs, backend, config, deterministic, bwd_config)
     dispatch.log_once(inputs, plan)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_mask))):
+        # inference: no autograd node to build (its bookkeeping is host time paid on every call)
+        return _outputs_and_forward(q, inputs, plan, sdpa_layout)
     return AttentionFunction.apply(q, k, v, attn_mask, inputs, plan, sdpa_layout)
 
 
