@@ -48,7 +48,8 @@ def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, bottom_rig
     Float32 rounding inside any backward (dP, delta, the products) is proportional to these, not to the gradient
     itself: where dP - delta cancels (a softmax row that is almost one-hot) the true dq can be far below them, and
     a check relative to it alone would measure float32 arithmetic, not the kernel. Dense (B, N, H, D) or packed
-    varlen (total, H, D) inputs, as `attention_grads_ref` takes them (masks dense only)."""
+    varlen (total, H, D) inputs, as `attention_grads_ref` takes them (masks dense only); computed on the CPU,
+    returned on q's device."""
     packed = q.dim() == 3
     q64, k64, v64, do64, o64 = (t.detach().double().cpu() for t in (q, k, v, do, saved_o))
     if packed:
@@ -78,7 +79,9 @@ def gradient_magnitudes(q, k, v, do, saved_o, *, scale, causal=False, bottom_rig
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         dmask = weight.transpose(1, 2)  # (B, H, Nq, Nk), then summed over the mask's broadcast dimensions
         dmask = dmask.sum([i for i, n in enumerate(attn_mask.shape) if n == 1 and dmask.shape[i] != 1], keepdim=True)
-    return (*(t[0] if packed else t for t in (dq, dk, dv)), dmask)
+    # on the inputs' device, as torch.autograd.grad wants them to carry these back through q, k, v's views
+    dmask = None if dmask is None else dmask.to(q.device)
+    return (*((t[0] if packed else t).to(q.device) for t in (dq, dk, dv)), dmask)
 
 
 def gradient_error(name, grad, ref, magnitude, dtype):
