@@ -3,8 +3,8 @@ ioattn's Triton forward (`ioattn.flash_attn_func`) and torch SDPA's cuDNN backen
 
     PYTHONPATH=. python3 lab/gluon_fwd_bench.py [--variants] [--budget-s 85]     # writes $OUT/gluon_fwd.json
 
-bf16, B·N = 16k tokens, H·D = 2048 (D 64, 128 and 256; N 2k, 8k, 16k; causal and not), plus the D=128 N=8k causal
-GQA 16/4 row of MEASURING.md. Each backend runs first on NaN-poisoned (gluon) or fresh outputs and is compared
+bf16, B·N = 16k tokens, H·D = 2048 (D 64, 128 and 256; N 2k, 4k, 8k, 16k; causal and not), plus GQA 16/4 at D=128:
+N=8k causal (MEASURING.md's row), 8k and 2k unmasked. Each backend runs first on NaN-poisoned (gluon) or fresh outputs and is compared
 with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
 `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
