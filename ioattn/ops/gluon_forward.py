@@ -167,7 +167,7 @@ def tensors_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
 @functools.lru_cache(maxsize=None)
 def tile_layout(rows: int, head_dim: int, dtype_name: str):
     """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64); built once,
-    as Gluon's constructor costs ~10 us of host time a call."""
+    as Gluon's constructor costs several us of host time a call."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], getattr(gl, dtype_name))
@@ -175,6 +175,7 @@ def tile_layout(rows: int, head_dim: int, dtype_name: str):
 
 @functools.lru_cache(maxsize=None)
 def _transposed_layout(head_dim: int, keys: int, dtype_name: str):
+    """The layout of a [1, 1, head_dim, keys] box of V transposed (the fp8 forward), built once as `tile_layout`."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout.get_default_for([1, 1, head_dim, keys], getattr(gl, dtype_name))
