@@ -9,29 +9,35 @@ from ioattn import flash_attn_func
 from ioattn.ops import checks, dispatch
 from ioattn.ops.gluon_forward import BLOCK_M, _descriptor, launch_dense
 
-q, k, v = (torch.randn(8, 2048, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-out, lse = torch.empty_like(q), torch.empty(8, 16, 2048, device="cuda", dtype=torch.float32)
-inputs = checks.validate_dense(q, k, v, True, (-1, -1), None)
-plan = dispatch.plan(inputs, "auto")
-qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-parts = {
-    "validate_dense": lambda: checks.validate_dense(q, k, v, True, (-1, -1), None),
-    "dispatch.plan": lambda: dispatch.plan(inputs, "auto"),
-    "4 descriptors": lambda: [_descriptor(t, r) for t, r in ((q, BLOCK_M), (k, 128), (v, 128), (out, BLOCK_M))],
-    "launch_dense": lambda: launch_dense(q, k, v, -1, 0, 0.088, out, lse, plan.config),
-    "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(8, 16, 2048, device="cuda")),
-    "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True),
-    "cudnn sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
-}
-for name, fn in parts.items():
-    fn()
-    best = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(500_000_000)
-        start = time.perf_counter()
-        for _ in range(100):
-            fn()
-        best.append((time.perf_counter() - start) * 1e4)
-        torch.cuda.synchronize()
-    print(f"{name:18s} {min(best):7.1f} us (median {sorted(best)[2]:.1f})", flush=True)
+
+def main():
+    q, k, v = (torch.randn(8, 2048, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out, lse = torch.empty_like(q), torch.empty(8, 16, 2048, device="cuda", dtype=torch.float32)
+    inputs = checks.validate_dense(q, k, v, True, (-1, -1), None)
+    plan = dispatch.plan(inputs, "auto")
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    parts = {
+        "validate_dense": lambda: checks.validate_dense(q, k, v, True, (-1, -1), None),
+        "dispatch.plan": lambda: dispatch.plan(inputs, "auto"),
+        "4 descriptors": lambda: [_descriptor(t, r) for t, r in ((q, BLOCK_M), (k, 128), (v, 128), (out, BLOCK_M))],
+        "launch_dense": lambda: launch_dense(q, k, v, -1, 0, 0.088, out, lse, plan.config),
+        "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(8, 16, 2048, device="cuda")),
+        "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True),
+        "cudnn sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+    }
+    for name, fn in parts.items():
+        fn()
+        best = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(500_000_000)
+            start = time.perf_counter()
+            for _ in range(100):
+                fn()
+            best.append((time.perf_counter() - start) * 1e4)
+            torch.cuda.synchronize()
+        print(f"{name:18s} {min(best):7.1f} us (median {sorted(best)[2]:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
