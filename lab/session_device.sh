@@ -4,6 +4,7 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
+#   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
 #   fp8:    the Gluon fp8 forward with P from registers (the default), through shared memory, and with 4 stages,
@@ -53,6 +54,12 @@ gpu_test_part() {
     step "GPU tests: the Gluon forward, the fp8 forward, the MLA kernels"
     gpu_tests 240 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py \
         tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py
+}
+matrix_test_part() {
+    source "$lab/device_log.sh" matrix.log
+    step "GPU tests: the layout matrix (its gradient cases' helper fixed in 70a1ca0), the forward and backward kernels"
+    gpu_tests 200 8 gpu-tests.txt tests/kernels/test_kernel_matrix_gpu.py tests/kernels/test_prefill_fwd.py \
+        tests/kernels/test_prefill_bwd.py
 }
 fp8_variants() {
     source "$lab/device_log.sh" fp8.log
@@ -129,6 +136,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
+run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part fp8 150 bash -c "$(declare -f fp8_variants); lab=$lab; fp8_variants"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
