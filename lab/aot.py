@@ -140,7 +140,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from ioattn.kernels.gluon_fwd import gluon_fwd_kernel as kernel
-    from ioattn.ops.gluon_forward import BLOCK_M, fp8_gluon_config, gluon_config, separate_o, tile_layout
+    from ioattn.ops.gluon_forward import BLOCK_M, box_layout, fp8_gluon_config, gluon_config, separate_o, tile_layout
 
     fp8 = dtype == "fp8"
     cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim, masked=causal or window)
@@ -164,9 +164,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     else:
         constexprs.update(Cu_seqlens_q=None, Cu_seqlens_k=None, O=None)
     if fp8:
-        from triton.experimental.gluon import language as gl
-
-        vt_layout = gl.NVMMASharedLayout.get_default_for([1, 1, head_dim, block_n], gl.float8e4nv)
+        vt_layout = box_layout((1, 1, head_dim, block_n), "float8e4nv")
         types.update(v_desc=f"tensordesc<fp8e4nv[1, 1, {head_dim}, {block_n}],{vt_layout!r}>",
                      Q_scale="*fp32", K_scale="*fp32", V_scale="*fp32")
     else:

@@ -4,10 +4,10 @@ ioattn's Triton forward (`ioattn.flash_attn_func`) and torch SDPA's cuDNN backen
     PYTHONPATH=. python3 lab/gluon_fwd_bench.py [--variants] [--budget-s 85]     # writes $OUT/gluon_fwd.json
 
 bf16, B·N = 16k tokens, H·D = 2048 (D 64, 128 and 256; N 2k, 4k, 8k, 16k; causal and not), plus GQA 16/4 at D=128:
-N=8k causal (MEASURING.md's row), 8k and 2k unmasked. Each backend runs first on NaN-poisoned (gluon) or fresh outputs and is compared
-with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded and not timed. Timing:
-`ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's count
-4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
+N=8k causal (MEASURING.md's row), 8k and 2k unmasked. Each backend runs first on NaN-poisoned (gluon) or fresh
+outputs and is compared with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded
+and not timed. Timing: `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's
+count 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
 `-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block
 first). `--variants` adds the kernel without ping-pong and
 with a conditional rescale (threshold 8), `--configs` other (block_n, stages) per head dim. The JSON is rewritten
@@ -31,7 +31,8 @@ from ioattn.bench import harness
 
 OUT = os.environ.get("OUT", "/tmp/out")
 SHAPES = [(d, n, causal, 2048 // d, 2048 // d) for d in (128, 64, 256) for n in (16384, 8192, 4096, 2048)
-          for causal in (False, True)] + [(128, n, causal, 16, 4) for n, causal in ((8192, True), (8192, False), (2048, False))]
+          for causal in (False, True)] + [(128, n, causal, 16, 4)
+                                          for n, causal in ((8192, True), (8192, False), (2048, False))]
 # --configs: other tile shapes per head dim (block_n, ring stages), each timed as its own backend
 CONFIG_VARIANTS = {64: [(64, 4), (256, 2)], 128: [(64, 4), (64, 3)], 256: [(32, 4), (32, 3)]}
 TOKENS = 16384

@@ -164,21 +164,18 @@ def tensors_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> st
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def tile_layout(rows: int, head_dim: int, dtype_name: str):
-    """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64); built once,
-    as Gluon's constructor costs several us of host time a call."""
-    from triton.experimental.gluon import language as gl
-
-    return gl.NVMMASharedLayout.get_default_for([1, rows, 1, head_dim], getattr(gl, dtype_name))
+    """The shared-memory layout of a [1, rows, 1, head_dim] TMA box (128-byte swizzle for D >= 64)."""
+    return box_layout((1, rows, 1, head_dim), dtype_name)
 
 
 @functools.lru_cache(maxsize=None)
-def _transposed_layout(head_dim: int, keys: int, dtype_name: str):
-    """The layout of a [1, 1, head_dim, keys] box of V transposed (the fp8 forward), built once as `tile_layout`."""
+def box_layout(box: tuple[int, ...], dtype_name: str):
+    """The shared-memory layout of a TMA box of `dtype_name` (a Gluon dtype's name); built once per box, as Gluon's
+    constructor costs several us of host time a call."""
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for([1, 1, head_dim, keys], getattr(gl, dtype_name))
+    return gl.NVMMASharedLayout.get_default_for(list(box), getattr(gl, dtype_name))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -256,8 +253,8 @@ def _transposed_descriptor(vt: torch.Tensor, keys: int):
     """V transposed (B, Hkv, D, N'): boxes [1, 1, D, keys]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = _transposed_layout(vt.shape[2], keys, _GL_DTYPES[vt.dtype])
-    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, vt.shape[2], keys], layout)
+    box = (1, 1, vt.shape[2], keys)
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), list(box), box_layout(box, _GL_DTYPES[vt.dtype]))
 
 
 def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales, *, causal: bool,
