@@ -7,11 +7,10 @@ bf16, B·N = 16k tokens, H·D = 2048 (D 64, 128 and 256; N 2k, 4k, 8k, 16k; caus
 N=8k causal (MEASURING.md's row), 8k and 2k unmasked. Each backend runs first on NaN-poisoned (gluon) or fresh
 outputs and is compared with the float64 reference on batch 0, query head 0 (all rows): a wrong one is recorded
 and not timed. Timing: `ioattn.bench.harness.time_ms` (do_bench, median, L2 flushed). TFLOP/s with FlashAttention's
-count 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent grid,
-`-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block
-first). `--variants` adds the kernel without ping-pong and
-with a conditional rescale (threshold 8), `--configs` other (block_n, stages) per head dim. The JSON is rewritten
-after every row; the run stops between rows past the budget.
+count 4·B·H·Nq·Nk·D, halved for causal. `gluon-per-tile` is one program per work tile instead of the persistent
+grid, `-band1` the work tiles' order before bands of 16 query blocks per head (every head's first block first).
+`--variants` adds the kernel without ping-pong and with a conditional rescale (threshold 8), `--configs` other
+(block_n, stages) per head dim. The JSON is rewritten after every row; the run stops between rows past the budget.
 Without an sm_90 GPU it says so and exits.
 """
 
