@@ -145,7 +145,6 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
     fp8 = dtype == "fp8"
     cfg = fp8_gluon_config(head_dim) if fp8 else gluon_config(head_dim, masked=causal or window)
     block_n, stages = block_n or cfg.block_n, stages or cfg.stages
-    pingpong = cfg.pingpong if pingpong is None else pingpong
     gl_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8e4nv"}[dtype]
     name = "fp8e4nv" if fp8 else dtype
 
@@ -154,11 +153,13 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
 
     types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
                  o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
-    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages, **override)
+    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages, pingpong=cfg.pingpong if pingpong is None else pingpong,
+                              **override)
     constexprs = dict(CONSUMERS=cfg.consumers, SNAKE=cfg.snake, LEFT=window, RIGHT=causal or window, BLOCK_N=block_n,
-                      STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=pingpong, CONSUMER_REGS=cfg.consumer_regs,
-                      PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen,
-                      BAND=cfg.band, P_SHARED=fp8 and cfg.fp8_p_shared)
+                      STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong,
+                      CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
+                      SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen, BAND=cfg.band,
+                      P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

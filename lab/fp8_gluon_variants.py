@@ -1,6 +1,8 @@
-"""Does the Gluon FP8 forward gain from taking P into the P·V wgmma from registers (V's keys permuted in groups of
-16) rather than through shared memory, and from a fourth K/V stage (the P buffers' shared memory freed)? W2 5/7's
-bar: FP8 >= 1.6x our bf16 forward at D 128, N >= 4k.
+"""Does the Gluon FP8 forward gain from three consumer warpgroups whose key loop runs each tile's S, softmax and
+P·V in turn (`GluonConfig(overlap=False)`: one accumulator beside O, so 160 registers hold the fresh P·V
+accumulator) over two ping-pong warpgroups with the intra-warpgroup overlap (the default)? Earlier questions (P from
+registers rather than shared memory, a fourth stage, a 2-bit rescale threshold) stay reachable with --variant.
+W2 5/7's bar: FP8 >= 1.6x our bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
@@ -22,9 +24,9 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-VARIANTS = {"registers": {"fp8_p_shared": False}, "shared": {"fp8_p_shared": True},
-            "registers-s4": {"fp8_p_shared": False, "stages": 4},
-            "registers-t2": {"fp8_p_shared": False, "rescale_threshold": 2.0}}
+_C3 = {"consumers": 3, "maxnreg": 128, "consumer_regs": 160, "pingpong": False, "overlap": False}
+VARIANTS = {"registers": {"fp8_p_shared": False}, "c3": _C3, "c3-registers": {**_C3, "fp8_p_shared": False},
+            "c3-s4": {**_C3, "stages": 4}, "c2-serial": {"pingpong": False, "overlap": False}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

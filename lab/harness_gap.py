@@ -48,7 +48,7 @@ def main(path):
         torch.manual_seed(d + hkv)
         q = torch.randn(B, N, hq, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(B, N, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        cfg = gluon_config(d, True, keys=N)
+        cfg = gluon_config(d, True)
         out = torch.full_like(q, float("nan"))
         lse = torch.empty(B, hq, N, device="cuda", dtype=torch.float32)
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))

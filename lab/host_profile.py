@@ -14,7 +14,7 @@ from ioattn.ops.gluon_forward import gluon_config, gluon_forward
 def main():
     for d, h in ((128, 16), (64, 32)):
         q, k, v = (torch.randn(8, 2048, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        cfg = gluon_config(d, True, keys=2048)
+        cfg = gluon_config(d, True)
         for name, fn in (("api", lambda: flash_attn_func(q, k, v, causal=True)),
                          ("direct", lambda: gluon_forward(q, k, v, causal=True, config=cfg))):
             fn()

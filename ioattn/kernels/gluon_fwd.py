@@ -307,11 +307,98 @@ def _store_rows(o, seqs, first_row, rows_left, head, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_start, plain_end, rows, len_q, len_k,
+                     window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales, v_scales,
+                     scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                     P_SHARED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr):
+    """A work tile's key loop without intra-warpgroup overlap: each tile's S, softmax and P·V in turn, so only
+    one wgmma accumulator besides O is live (three consumer warpgroups fit their registers; their number, not
+    the overlap, keeps the tensor cores fed). Tiles 0 .. n_own of the ring from `it`; returns (O, m, l)."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    BLOCK_M: gl.constexpr = q.shape[0]
+    HEAD_DIM: gl.constexpr = q.shape[1]
+    dtype: gl.constexpr = q.dtype
+    FP8: gl.constexpr = dtype.primitive_bitwidth == 8
+    P_LOG2: gl.constexpr = 8.0 - RESCALE_THRESHOLD if FP8 else 0.0
+    s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
+    o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    k_scale = qk_scale_log2  # the 16-bit forward's scores have one scale
+    v_scale = qk_scale_log2  # unread by the 16-bit forward
+    if FP8:
+        k_scale = _tile_scale(k_scales, first, scale_tiles_k - 1)
+        v_scale = _tile_scale(v_scales, first, scale_tiles_k - 1)
+    # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then those
+    # crossing the diagonal or the end of K (masked)
+    unmasked_start = gl.minimum(gl.maximum(plain_start, 0), n_own)
+    unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
+    for part in gl.static_range(3):
+        if part == 0:
+            j_start = 0
+            j_end = 0
+            if LEFT:
+                j_end = unmasked_start
+        elif part == 1:
+            j_start = unmasked_start
+            j_end = unmasked_end
+        else:
+            j_start = unmasked_end
+            j_end = n_own
+        for j in range(j_start, j_end):
+            stage = (it + j) % STAGES
+            phase = ((it + j) // STAGES) & 1
+            mbarrier.wait(k_ready.index(stage), phase)
+            s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
+            if FP8:  # the next tile's scales load while S runs
+                k_scale_next = _tile_scale(k_scales, first + j + 1, scale_tiles_k - 1)
+                v_scale_next = _tile_scale(v_scales, first + j + 1, scale_tiles_k - 1)
+            s = warpgroup_mma_wait(0, deps=[s])
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            if part != 1:
+                s = _mask_scores(s, first + j, rows, len_q, len_k, LEFT, RIGHT, window_left, window_right, BLOCK_N,
+                                 s_layout)
+            if FP8:
+                tile_rows = row_scale * k_scale
+                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
+                                                            RESCALE_THRESHOLD, P_LOG2)
+            else:
+                p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
+                                                            RESCALE_THRESHOLD, P_LOG2)
+            if rescale:
+                o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
+            mbarrier.wait(v_ready.index(stage), phase)
+            if FP8:  # two-level accumulation: the tile's P·V in a fresh accumulator, added to O with its V scale
+                if P_SHARED:
+                    p_smem.store(p.to(dtype))
+                    fence_async_shared()
+                    pv = warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_init, use_acc=False,
+                                       is_async=True)
+                    pv = warpgroup_mma_wait(0, deps=[pv])
+                else:
+                    p_op = _fp8_operand(p, p_layout)
+                    pv = warpgroup_mma(p_op, v_smem.index(stage).permute((1, 0)), o_init, use_acc=False,
+                                       is_async=True)
+                    pv = warpgroup_mma_wait(0, deps=[pv])  # (no 8-bit dependency: p_op is rebuilt next tile)
+                o = o + pv * v_scale
+                k_scale = k_scale_next
+                v_scale = v_scale_next
+            else:
+                p_op = _unpack_pairs(_pack_pairs(p, dtype), dtype, p_layout)
+                o = warpgroup_mma(p_op, v_smem.index(stage), o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=[o, p_op])[0]
+            mbarrier.arrive(v_empty.index(stage), count=1)
+    return o, m_i, l_i
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
               batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
               seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
               PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr, BAND: gl.constexpr,
-              SNAKE: gl.constexpr, P_SHARED: gl.constexpr):
+              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -394,7 +481,21 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
 
             slot_base = it + t_local  # ping-pong turns taken before this work tile
             mbarrier.wait(q_ready.index(c), t_local & 1)
-            if n_own > 0:
+            if not OVERLAP:
+                if n_own > 0:
+                    if not FP8:  # one scale for every score: row_scale is qk_scale_log2, the scale pointers unread
+                        row_scale = qk_scale_log2
+                        k_scales = LSE
+                        v_scales = LSE
+                        scale_tiles_k = 1
+                    o, m_i, l_i = _serial_key_loop(
+                        q, k_smem, v_smem, p_buffers.index(c), bars, it, first, n_own, plain_start, plain_end, rows,
+                        len_q, len_k, window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales,
+                        v_scales, scale_tiles_k, LEFT, RIGHT, RESCALE_THRESHOLD, P_SHARED, s_layout, o_layout,
+                        p_layout)
+                if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
+                    mbarrier.arrive(q_empty.index(c), count=1)
+            elif n_own > 0:
                 # slot 0: tile 0's scores only; its P·V is issued together with tile 1's scores
                 mbarrier.wait(k_ready.index(it % STAGES), (it // STAGES) & 1)
                 _take_turn(turns, c, slot_base, PINGPONG)
@@ -567,7 +668,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      scale_block=1, scale_blocks_q=1, scale_tiles_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
                      BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                     P_SHARED: gl.constexpr = False):
+                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -579,7 +680,9 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     with boxes [1, 1, D, BLOCK_N]; Q_scale (B, Hq, scale_blocks_q) float32 contiguous, one scale per
     `scale_block` query rows; K_scale and V_scale (B, Hkv, scale_tiles_k) float32 contiguous, one scale per
     BLOCK_N-key tile. P_SHARED: P goes to the P·V wgmma through shared memory; else from registers with V's keys
-    permuted in groups of 16 (`_fp8_operand`)."""
+    permuted in groups of 16 (`_fp8_operand`). OVERLAP: tile j + 1's S wgmma runs beside tile j's softmax and P·V
+    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong."""
+    gl.static_assert(OVERLAP or not PINGPONG, "ping-pong takes turns by the overlapped loop's slots")
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -637,10 +740,10 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -648,13 +751,13 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -47,9 +47,14 @@ class GluonConfig:
     snake: bool = False
     # the fp8 forward: P to the P·V wgmma through shared memory (a store and a fence per tile), else from registers
     # with V's keys permuted in groups of 16 so that S's accumulator layout is the operand's (the kernel's
-    # _fp8_operand). From registers measured 1.03-1.05x at D 128 N 8k-16k without a mask but 0.86x at 4k and
-    # 0.90-0.97x causal (bench/results/2026-12-07-snake-fp8-regs-h100): shared memory stays the default
+    # _fp8_operand). On two ping-pong warpgroups from registers measured 1.03-1.05x at D 128 N 8k-16k without a
+    # mask but 0.86x at 4k and 0.90-0.97x causal (bench/results/2026-12-07-snake-fp8-regs-h100); the D 128 fp8
+    # tiles (three warpgroups without the overlap) take P from registers
     fp8_p_shared: bool = True
+    # FA3's intra-warpgroup overlap: tile j + 1's S wgmma beside tile j's softmax and P·V (two accumulators live
+    # beside O). Without it (the kernel's _serial_key_loop) each tile runs in turn and the consumers take no turns:
+    # the registers of three consumer warpgroups hold the fp8 forward's fresh P·V accumulator at D 128
+    overlap: bool = True
 
     def __post_init__(self):
         check_launch_config(self)
@@ -64,6 +69,8 @@ class GluonConfig:
                 raise ValueError(f"GluonConfig.{name} must be a multiple of 8 in 24..256, got {value!r}")
         if self.consumers not in (2, 3) or not whole(self.consumers):
             raise ValueError(f"GluonConfig.consumers must be 2 or 3 (consumer warpgroups), got {self.consumers!r}")
+        if not self.overlap and self.pingpong:
+            raise ValueError("GluonConfig.overlap=False needs pingpong=False (the turns follow the overlapped loop)")
         if not (whole(self.band) and self.band >= 1):
             raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
@@ -78,20 +85,22 @@ _CONFIGS = {
 # an H100 1.23x at D 128 N 2k causal, 1.01-1.03x at 8k-16k, D 256 1.08x at 16k and 2k, 0.99x at 8k
 # (bench/results/2026-12-07-snake-fp8-regs-h100).
 _MASKED_CONFIGS = {d: dataclasses.replace(cfg, snake=True) for d, cfg in _CONFIGS.items()}
-# D 64 masked with many keys: three consumer warpgroups on 128-key tiles, in snake order: 1.01x cuDNN at N 8k
-# causal and 1.09x at 16k, where two warpgroups ran 0.90-0.92x; at 2k 0.71x (two: 0.85x). From this many keys.
-C3_MASKED_MIN_KEYS = 8192
 # Without a causal mask or window, D 64 takes three consumer warpgroups (FA3's 192-row tiles): 1.09-1.13x the
-# two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). Masked, their
-# masked key-loop copies spill at 160 registers per consumer: masked calls take them from C3_MASKED_MIN_KEYS keys
-# only. 24 KB Q + 24 KB O + 3 x 32 KB.
+# two-warpgroup kernel and 0.99-1.05x cuDNN at N 2k-16k (bench/results/2026-12-07-stage-out-c3-h100). 24 KB Q +
+# 24 KB O + 3 x 32 KB.
 _UNMASKED_CONFIGS = {64: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160)}
-_MASKED_MANY_KEYS_CONFIGS = {64: dataclasses.replace(_UNMASKED_CONFIGS[64], snake=True)}
+# D 64 masked: three consumer warpgroups without the intra-warpgroup overlap (whose masked loop copies spill at 160
+# registers), in snake order: causal 1.05-1.07x the two-warpgroup kernel at N 2k-4k and 1.05x three overlapped
+# warpgroups at 16k (bench/results/2026-12-07-serial-c3-h100)
+_MASKED_CONFIGS[64] = dataclasses.replace(_UNMASKED_CONFIGS[64], snake=True, pingpong=False, overlap=False)
 HEAD_DIMS = tuple(_CONFIGS)
 # The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
 _FP8_CONFIGS = {
     64: GluonConfig(block_n=128, stages=3),  # 8 KB Q + 3 x 16 KB + 16 KB O
-    128: GluonConfig(block_n=128, stages=3),  # 16 KB Q + 3 x 32 KB + 32 KB O
+    # three consumer warpgroups without the overlap, P from registers: the kernel alone 1.05-1.17x two ping-pong
+    # warpgroups at N 4k-16k, causal and not (bench/results/2026-12-07-serial-c3-h100): 24 KB Q + 3 x 32 KB + 48 KB O
+    128: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160, pingpong=False,
+                     overlap=False, fp8_p_shared=False),
     256: GluonConfig(block_n=64, stages=3),  # 32 KB Q + 3 x 32 KB + 64 KB O
 }
 
@@ -121,13 +130,10 @@ def _grid(cfg: GluonConfig, device: torch.device, work_tiles: int) -> tuple[int]
     return (min(work_tiles, _sm_count(device.index)) if cfg.persistent else work_tiles,)
 
 
-def gluon_config(head_dim: int, masked: bool = False, keys: int | None = None) -> GluonConfig:
-    """The head dim's tiles; masked: a causal mask or a sliding window bounds the keys a row sees; keys: the
-    fewest of (Nq, Nk) when known (dense calls)."""
+def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
+    """The head dim's tiles; masked: a causal mask or a sliding window bounds the keys a row sees."""
     if not masked:
         return _UNMASKED_CONFIGS.get(head_dim, _CONFIGS[head_dim])
-    if keys is not None and keys >= C3_MASKED_MIN_KEYS and head_dim in _MASKED_MANY_KEYS_CONFIGS:
-        return _MASKED_MANY_KEYS_CONFIGS[head_dim]
     return _MASKED_CONFIGS[head_dim]
 
 
@@ -274,14 +280,17 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
                          f"{cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
     # one K and V scale per key tile: the kernel indexes them without a division
-    k_scale, v_scale = (t.repeat_interleave(block // cfg.block_n, dim=-1) for t in (k_scale, v_scale))
+    tiles = block // cfg.block_n
+    if tiles > 1:
+        k_scale, v_scale = (t[..., None].expand(*t.shape, tiles).reshape(*t.shape[:-1], -1) for t in (k_scale, v_scale))
+    q_scale, k_scale, v_scale = (t.contiguous() for t in (q_scale, k_scale, v_scale))
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
-        BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake, P_SHARED=cfg.fp8_p_shared,
+        BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake, P_SHARED=cfg.fp8_p_shared, OVERLAP=cfg.overlap,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_tiles_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -332,7 +341,7 @@ def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left:
     from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
 
     masked = window_left >= 0 or window_right >= 0
-    cfg = gluon_config(d, masked, keys=min(n_q, n_k)) if config is None else config
+    cfg = gluon_config(d, masked) if config is None else config
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
     gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
@@ -340,7 +349,7 @@ def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left:
         softmax_scale * LOG2E, LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
-        CONSUMERS=cfg.consumers, SNAKE=cfg.snake, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        CONSUMERS=cfg.consumers, SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -375,6 +384,5 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
         stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, CONSUMERS=cfg.consumers,
-        SNAKE=cfg.snake, num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+        SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )

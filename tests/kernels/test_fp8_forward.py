@@ -190,19 +190,26 @@ def test_fp8_forward_on_gpu_e4m3_inputs_lse_and_short_sequences(backend):
         assert (lse[..., ~seen] == float("-inf")).all()
 
 
+PINGPONG = dict(consumers=2, maxnreg=168, consumer_regs=240, pingpong=True, overlap=True)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("p_shared, threshold", [(False, 0.0), (True, 0.0), (False, 2.0)])
+@pytest.mark.parametrize("p_shared, threshold, tiles", [
+    (False, 0.0, {}), (True, 0.0, {}), (False, 2.0, {}), (False, 0.0, PINGPONG), (True, 0.0, PINGPONG),
+    (False, 2.0, PINGPONG)], ids=["serial-registers", "serial-shared", "serial-t2", "pingpong-registers",
+                                  "pingpong-shared", "pingpong-t2"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale_block", [128, 384])
-def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, causal, scale_block):
+def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, tiles, causal, scale_block):
     """P from registers (V's keys permuted in groups of 16) and P through shared memory give the same attention,
-    with scales that change every tile or every third tile (the kernel reads one per tile), and with O rescaled
-    only when a row's max grows by more than 2**threshold (P then rounded x 2**(8 - threshold))."""
+    on three warpgroups without the overlap (the default) and on two ping-pong ones, with scales that change
+    every tile or every third tile (the kernel reads one per tile), and with O rescaled only when a row's max
+    grows by more than 2**threshold (P then rounded x 2**(8 - threshold))."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     from ioattn.ops.gluon_forward import fp8_gluon_config
 
-    config = dataclasses.replace(fp8_gluon_config(128), fp8_p_shared=p_shared, rescale_threshold=threshold)
+    config = dataclasses.replace(fp8_gluon_config(128), fp8_p_shared=p_shared, rescale_threshold=threshold, **tiles)
     q, k, v = qkv(2, 700, 1001, 8, 2, 128, device="cuda")
     v[:, 1000] = 30.0  # the last key, in a partial group of 16, large: a key moved out of place shows
     poison = q.new_full((64 << 20,), float("nan"))
@@ -222,6 +229,38 @@ def test_gluon_config_is_for_the_gluon_backend_only():
     with pytest.raises(ValueError, match="rescale_threshold in 0..4"):
         ioattn.flash_attn_fp8_func(q, k, v, backend="gluon",
                                    config=dataclasses.replace(fp8_gluon_config(64), rescale_threshold=8.0))
+
+
+def test_descales_are_read_once_per_version():
+    """Reading the descales waits for the GPU: unchanged tensors passed again are not read again, but an in-place
+    change (torch's version counter) is checked, and fails, like a fresh tensor."""
+    q, k, v = (t.to(E4M3) for t in qkv(1, 8, 8, 2, 1, 64))
+    ones = [torch.ones(1, 1) for _ in range(3)]
+    ioattn.flash_attn_fp8_func(q, k, v, q_descale=ones[0], k_descale=ones[1], v_descale=ones[2])
+    assert all(fa8._CHECKED_DESCALES.holds(t) for t in ones)
+    assert not fa8._CHECKED_DESCALES.holds(ones[0].clone())
+    ones[2].mul_(float("nan"))
+    with pytest.raises(ValueError, match="v_descale must hold finite scales"):
+        ioattn.flash_attn_fp8_func(q, k, v, q_descale=ones[0], k_descale=ones[1], v_descale=ones[2])
+    ones[2].fill_(1.0)
+    ioattn.flash_attn_fp8_func(q, k, v, q_descale=ones[0], k_descale=ones[1], v_descale=ones[2])
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 130, 300])
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("permute", [False, True])
+def test_transposed_matches_torch(n, dim, permute):
+    """`transposed` (one Triton launch) against torch's strided copy, on a head-strided view: every key in
+    place (or in KEY_ORDER within its group of 16), zeros past N up to the next multiple of 16."""
+    codes = torch.randint(-100, 100, (2, n, 5, dim), dtype=torch.int8).view(E4M3)[:, :, 1:4]
+    width = -(-n // 16) * 16
+    expected = torch.zeros(2, 3, dim, width, dtype=torch.uint8)
+    expected[..., :n] = codes.view(torch.uint8).permute(0, 2, 3, 1)
+    if permute:
+        order = torch.tensor(fa8.KEY_ORDER)
+        expected = expected.reshape(2, 3, dim, -1, 16)[..., order].reshape(expected.shape)
+    got = fa8.transposed(codes, permute_keys=permute)
+    assert got.dtype == E4M3 and got.is_contiguous() and torch.equal(got.view(torch.uint8), expected)
 
 
 def test_key_permuted_layouts_agree():

@@ -24,17 +24,17 @@ from ioattn.reference import TOLERANCE, attention_ref, lse_error, rel_error
 _AOT_SCRIPT = """
 import json, sys
 import aot
-OVERRIDES = {"fp8-registers": {"fp8_p_shared": False},
-             "many-keys": {"consumers": 3, "maxnreg": 128, "consumer_regs": 160}}  # gluon_config(64, True, 8192)
-for head_dim, causal, dtype in json.loads(sys.argv[1]):
+for head_dim, causal, dtype, override in json.loads(sys.argv[1]):
     kernel = aot.gluon_forward_kernel(head_dim, causal, "fp8" if dtype.startswith("fp8") else "bf16",
-                                      window=dtype == "window", varlen=dtype == "varlen",
-                                      **OVERRIDES.get(dtype, {}))
+                                      window=dtype == "window", varlen=dtype == "varlen", **override)
     print(json.dumps(dict(case=[head_dim, causal, dtype], cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"),
                           wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), loops=aot.matmul_loops(kernel))))
 """
+PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
+OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
+             "fp8-pingpong-registers": {**PINGPONG, "fp8_p_shared": False}}
 
 @pytest.mark.parametrize("change, why", [
     (dict(band=0), "GluonConfig.band must be an int >= 1"),
@@ -50,6 +50,7 @@ for head_dim, causal, dtype in json.loads(sys.argv[1]):
     (dict(consumers=4), "GluonConfig.consumers must be 2 or 3"),
     (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
     (dict(snake=1), "GluonConfig.snake must be a bool"),
+    (dict(overlap=False), "GluonConfig.overlap=False needs pingpong=False"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -59,31 +60,33 @@ def test_config_fields_are_checked_when_built(change, why):
 
 def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
     cases = [[64, False, "bf16"], [64, True, "bf16"], [128, False, "bf16"], [128, True, "bf16"],
-             [256, True, "bf16"], [128, False, "fp8"], [128, True, "fp8"], [128, False, "fp8-registers"],
-             [128, False, "window"], [128, True, "varlen"], [64, True, "many-keys"]]
-    builds = build_records(_AOT_SCRIPT, json.dumps(cases))
+             [256, True, "bf16"], [128, False, "fp8"], [128, True, "fp8"], [128, False, "fp8-pingpong"],
+             [128, True, "fp8-pingpong"], [128, False, "fp8-pingpong-registers"], [128, False, "window"],
+             [128, True, "varlen"], [64, True, "window"]]
+    builds = build_records(_AOT_SCRIPT, json.dumps([[*case, OVERRIDES.get(case[2], {})] for case in cases]))
     assert [b["case"] for b in builds] == cases
     for b in builds:
         head_dim, _, dtype = b["case"]
         cfg = fp8_gluon_config(head_dim) if dtype.startswith("fp8") else gluon_config(
-            head_dim, b["case"][1] or dtype == "window", keys=8192 if dtype == "many-keys" else None)
+            head_dim, b["case"][1] or dtype == "window")
+        cfg = dataclasses.replace(cfg, **OVERRIDES.get(dtype, {}))
         k_step = 32 if dtype.startswith("fp8") else 16  # the K extent of one wgmma instruction
         assert b["cubin"] == "7f454c46", b  # an ELF image
         assert b["setmaxnreg"] > 0 and b["wgmma"] > 0, b  # partitions re-balance registers; tensor-core matmuls
         assert b["shared"] <= 227 * 1024, b
-        # the K/V loop issues S = Q·Kᵀ (head_dim / k_step wgmmas) and P·V (block_n / k_step): two copies (masked
-        # and not) in each consumer; they spill nothing. The per-work-tile state of the persistent loop may spill
-        # a little (measured up to 152 bytes, fp8 causal), paid once per work tile
+        # the K/V loop issues S = Q·Kᵀ (head_dim / k_step wgmmas) and P·V (block_n / k_step): copies without a
+        # score mask and with one in each consumer. The per-work-tile state of the persistent loop may spill a
+        # little (measured up to 152 bytes, fp8 causal), paid once per work tile
         kv_loops = [loop for loop in b["loops"] if loop["wgmma"] == (head_dim + cfg.block_n) // k_step]
-        # fp8 with P from registers (unmasked) reloads its rows' two Q scales once a tile: no more
-        allowed = 2 if dtype == "fp8-registers" else 0
-        # three consumers masked (160 registers each): the unmasked copies (the shortest loops) spill nothing, the
-        # masked ones do (4-105 per loop), which run only on the diagonal's 1-2 tiles of a work tile's 64-128 at
-        # N 8k-16k (measured 1.01-1.09x cuDNN there, bench/results/2026-12-07-snake-fp8-regs-h100)
-        checked = kv_loops[:2] if dtype == "many-keys" else kv_loops
-        assert len(kv_loops) >= 4 and all(loop["spills"] <= allowed for loop in checked), b
-        stack = 264 if dtype == "many-keys" else 160  # bytes: the masked copies' spills above
-        assert "LOCAL:0 " in b["resources"] and int(b["resources"].split("STACK:")[1].split()[0]) <= stack, b
+        assert len(kv_loops) >= 2 * cfg.consumers, b
+        # each consumer's unmasked copy (the shortest loops) spills nothing; fp8 with P from registers reloads a
+        # row scale once a tile (160 registers of three warpgroups, or two ping-pong warpgroups' S, P·V and O)
+        allowed = 2 if dtype in ("fp8", "fp8-pingpong-registers") else 0
+        assert all(loop["spills"] <= allowed for loop in kv_loops[:cfg.consumers]), b
+        # the masked copies run on a work tile's diagonal tiles only: the fp8 causal ones of the two worker
+        # warpgroups (160 registers) reload 15 values a tile
+        assert all(loop["spills"] <= 16 for loop in kv_loops), b
+        assert "LOCAL:0 " in b["resources"] and int(b["resources"].split("STACK:")[1].split()[0]) <= 160, b
 
 
 def test_configs_fit_shared_memory():
@@ -98,8 +101,8 @@ def test_configs_fit_shared_memory():
         consumer_regs = cfg.maxnreg * (cfg.consumers + 1) - cfg.producer_regs - (cfg.consumers - 1) * cfg.consumer_regs
         assert cfg.maxnreg * (cfg.consumers + 1) * 128 <= 65536 and consumer_regs >= 160, (d, cfg)
     assert separate_o(128, gluon_config(128)) and not separate_o(256, gluon_config(256))
-    assert gluon_config(64).consumers == 3 and gluon_config(64, masked=True).consumers == 2
-    assert gluon_config(64, masked=True, keys=8192).consumers == 3  # causal with many keys
+    assert gluon_config(64).consumers == 3 and gluon_config(64, masked=True).consumers == 3
+    assert not gluon_config(64, masked=True).overlap and gluon_config(64).overlap
     assert all(gluon_config(d, masked=True).snake and not gluon_config(d).snake for d in (64, 128, 256))
 
 
@@ -214,12 +217,13 @@ THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pingpong", [True, False])
-def test_three_consumer_warpgroups(causal, pingpong):
+@pytest.mark.parametrize("pingpong, overlap", [(True, True), (False, True), (False, False)])
+def test_three_consumer_warpgroups(causal, pingpong, overlap):
     """Work tiles of 3 x 64 query rows (FA3's shape at D 64): the ping-pong turn passes round three warpgroups,
-    every K/V stage waits for three releases; lengths that leave the last work tile's second or third Q tile
-    wholly past Nq, Nq != Nk both ways, GQA, fp16, a sliding window, varlen through the same kernel."""
-    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, **THREE_CONSUMERS)
+    every K/V stage waits for three releases, with the intra-warpgroup overlap or each tile in turn; lengths that
+    leave the last work tile's second or third Q tile wholly past Nq, Nq != Nk both ways, GQA, fp16, a sliding
+    window, varlen through the same kernel."""
+    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, overlap=overlap, **THREE_CONSUMERS)
     for n_q, n_k in ((1, 1), (100, 100), (130, 1000), (1950, 1950), (2000, 300), (193, 4096)):
         _check(*_inputs(2, n_q, n_k, 8, 2, 64, torch.bfloat16, seed=n_q * 7 + n_k), causal, config=config)
     _check(*_inputs(1, 777, 777, 4, 4, 64, torch.float16, seed=11), causal, config=config)
