@@ -193,8 +193,7 @@ def plan(inputs: AttentionInputs, backend: str = "auto", config: FwdConfig | Non
         if backend == "gluon" or (faster and config is None):
             problem = FwdProblem(inputs.softmax_scale, inputs.window_left, inputs.window_right, True, "ieee", False)
             masked = inputs.window_left >= 0 or inputs.window_right >= 0  # causal is window_right 0
-            keys = min(q.shape[1], inputs.k.shape[1])
-            return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1], masked, keys), problem, (),
+            return Plan("gluon", GLUON_KERNEL, gluon_forward.gluon_config(q.shape[-1], masked), problem, (),
                         f"{why}; {faster or 'the Gluon forward as asked'}; {bwd_source} (the Triton backward)",
                         bwd_kernel=TRITON_BWD_KERNEL, bwd_config=bwd_config, deterministic=deterministic)
         if unsupported:

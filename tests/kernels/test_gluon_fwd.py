@@ -317,6 +317,13 @@ def test_dispatch_takes_gluon_only_where_it_can_and_was_measured_faster(monkeypa
     from ioattn.ops import checks, dispatch, gluon_forward
     from ioattn.ops.gluon_forward import gluon_faster
 
+    with monkeypatch.context() as patched:  # an H100 as dispatch sees one: the head dim's tiles, masked or not
+        patched.setattr(dispatch, "device_capability", lambda device: (9, 0))
+        patched.setattr(dispatch, "gluon_unsupported", lambda inputs, capability: None)
+        for d, causal in ((64, True), (64, False), (128, True), (256, False)):
+            x = torch.zeros(1, 2048, 2, d, dtype=torch.bfloat16)
+            plan = dispatch.plan(checks.validate_dense(x, x, x, causal, (-1, -1), None), "gluon")
+            assert plan.backend == "gluon" and plan.config == gluon_forward.gluon_config(d, causal), plan
     table = gluon_forward.GLUON_FASTER  # the committed H100 runs': every head dim from 2k tokens, causal or not
     assert gluon_faster(128, True, 2048, 2048) and gluon_faster(256, False, 8192, 16384)
     assert gluon_faster(64, True, 16384, 16384) and gluon_faster(64, False, 8192, 8192)
