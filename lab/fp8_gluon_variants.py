@@ -1,14 +1,14 @@
-"""Does the Gluon FP8 forward gain from three consumer warpgroups whose key loop runs each tile's S, softmax and
-P·V in turn (`GluonConfig(overlap=False)`: one accumulator beside O, so 160 registers hold the fresh P·V
-accumulator) over two ping-pong warpgroups with the intra-warpgroup overlap (the default)? Earlier questions (P from
-registers rather than shared memory, a fourth stage, a 2-bit rescale threshold) stay reachable with --variant.
-W2 5/7's bar: FP8 >= 1.6x our bf16 forward at D 128, N >= 4k.
+"""Does the Gluon FP8 forward at D 128 (three consumer warpgroups without the intra-warpgroup overlap, P from
+registers: `fp8_gluon_config(128)`) gain from the snake order of work tiles under a causal mask, O rescaled only
+when a row's max grows by more than 2 bits, or a fourth K/V stage; and how far are two ping-pong warpgroups with
+the overlap (the tiles before 2026-12-07) behind? Other variants with --variant. W2 5/7's bar: FP8 >= 1.6x our
+bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
-descales (the kernel alone, the V transpose included) at D 128, B·N 16k, 16 heads, N 4k/8k/16k, causal and not,
-beside our bf16 forward, the Triton fp8 kernel and cuDNN (bf16); every timed variant is compared with the first
-one's output on the same row.
+descales (the public call: V's transpose and the checks included) at D 128, B·N 16k, 16 heads, N 4k/8k/16k,
+causal and not, beside our bf16 forward, the Triton fp8 kernel and cuDNN (bf16); every timed variant is compared
+with the first one's output on the same row.
 
     PYTHONPATH=. python3 lab/fp8_gluon_variants.py OUT.json [--variant NAME:field=value,...] ...   (sm_90 only)
 """
@@ -24,9 +24,10 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-_C3 = {"consumers": 3, "maxnreg": 128, "consumer_regs": 160, "pingpong": False, "overlap": False}
-VARIANTS = {"registers": {"fp8_p_shared": False}, "c3": _C3, "c3-registers": {**_C3, "fp8_p_shared": False},
-            "c3-s4": {**_C3, "stages": 4}, "c2-serial": {"pingpong": False, "overlap": False}}
+PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
+VARIANTS = {"snake": {"snake": True}, "t2": {"rescale_threshold": 2.0}, "s4": {"stages": 4},
+            "snake-t2": {"snake": True, "rescale_threshold": 2.0},
+            "pingpong-shared": {**PINGPONG, "fp8_p_shared": True}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
