@@ -44,6 +44,9 @@ SDPA_PEERS = {
 # head) descales: the kernel alone, as FlashAttention-3 reports it); ioattn-fp8-quant: on the 16-bit inputs, the
 # per-128-position block quantization inside the timed call. Forward only; error against the original inputs.
 FP8_BACKENDS = ("ioattn-fp8", "ioattn-fp8-quant")
+# The forward's targets, checked on every forward run that times their backends: ioattn at least torch CUDNN on
+# every row; the FP8 forward (e4m3 inputs) at least FP8_BAR x ioattn's 16-bit forward at D 128 from FP8_BAR_MIN_N.
+FP8_BAR, FP8_BAR_MIN_N = 1.6, 4096
 BACKENDS = ("ioattn", *FP8_BACKENDS, *SDPA_PEERS, "flex", "naive")
 DEFAULT_BACKENDS = {
     "cuda": ("ioattn", "torch-flash", "torch-efficient", "torch-cudnn", "flex", "naive"),
@@ -493,6 +496,8 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], growth: list[dict[str
     if "ioattn" in backends and peers:
         parts += [f"## ioattn / peer ({unit}, same run; > 1 means ioattn is faster)",
                   harness.ratio_table(rows, CASE_COLUMNS, "ioattn", peers)]
+    if not backward:
+        parts += bar_lines(rows)
     if growth:
         n = meta["settings"]["memory_growth_case"]
         body = []
@@ -506,6 +511,35 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], growth: list[dict[str
     if not_run:
         parts += ["## Not run (time budget)", "\n".join(f"- {label}" for label in not_run)]
     return "\n\n".join(parts) + "\n"
+
+
+def bar_lines(rows: list[Row]) -> list[str]:
+    """The forward's bars over the rows that have both sides: ioattn / torch-cudnn >= 1 on every row, and
+    ioattn-fp8 / ioattn >= FP8_BAR at D 128 from FP8_BAR_MIN_N tokens; each line names the rows that miss."""
+    by_case: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row.status == "ok" and row.rate:
+            by_case.setdefault(tuple(row.case.get(k) for _, k in CASE_COLUMNS), {})[row.backend] = row.rate
+    checks = [("ioattn", "torch-cudnn", 1.0, lambda case: True, "every row"),
+              ("ioattn-fp8", "ioattn", FP8_BAR, lambda case: case["D"] == 128 and case["N"] >= FP8_BAR_MIN_N,
+               f"D 128, N ≥ {FP8_BAR_MIN_N}")]
+    lines = []
+    for ours, theirs, bar, applies, where in checks:
+        ratios = {key: rates[ours] / rates[theirs] for key, rates in by_case.items()
+                  if ours in rates and theirs in rates and applies(dict(zip([k for _, k in CASE_COLUMNS], key)))}
+        if not ratios:
+            continue
+        misses = [f"{_case_label(key)} {ratio:.2f}×" for key, ratio in ratios.items() if ratio < bar]
+        verdict = "met on every one" if not misses else f"missed on {len(misses)}: " + "; ".join(misses)
+        lines.append(f"Bar: {ours} / {theirs} ≥ {bar}× ({where}): {len(ratios) - len(misses)} of {len(ratios)} "
+                     f"rows, {verdict}.")
+    return lines
+
+
+def _case_label(key: tuple) -> str:
+    case = dict(zip([k for _, k in CASE_COLUMNS], key))
+    causal = " causal" if case["causal"] else ""
+    return f"D{case['D']} N{case['N']} H{case['Hq']}/{case['Hkv']}{causal}"
 
 
 # --- command line -------------------------------------------------------------------------------------------

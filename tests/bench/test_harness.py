@@ -182,6 +182,22 @@ def test_prefill_runs_end_to_end_with_a_stand_in(tmp_path, monkeypatch, backward
     assert (tmp_path / "redrawn.png").stat().st_size > 0
 
 
+def test_prefill_report_checks_the_forward_bars():
+    def row(backend, rate, n=4096, d=128, causal=False, status="ok"):
+        case = dict(dtype="bfloat16", B=1, Hq=16, Hkv=16, N=n, D=d, causal=causal)
+        return Row(case=case, backend=backend, rate=rate if status == "ok" else None, status=status)
+
+    rows = [row("ioattn", 600), row("torch-cudnn", 580), row("ioattn-fp8", 1000),  # both bars met
+            row("ioattn", 500, causal=True), row("torch-cudnn", 550, causal=True), row("ioattn-fp8", 700, causal=True),
+            row("ioattn", 400, n=2048), row("torch-cudnn", 390, n=2048), row("ioattn-fp8", 400, n=2048),  # N < 4k
+            row("ioattn", 300, d=64), row("torch-cudnn", 200, d=64, status="failed: x")]  # no cuDNN rate
+    cudnn, fp8 = prefill.bar_lines(rows)
+    assert cudnn == ("Bar: ioattn / torch-cudnn ≥ 1.0× (every row): 2 of 3 rows, missed on 1: "
+                     "D128 N4096 H16/16 causal 0.91×.")
+    assert fp8.startswith("Bar: ioattn-fp8 / ioattn ≥ 1.6× (D 128, N ≥ 4096): 1 of 2 rows, missed on 1: D128 N4096")
+    assert prefill.bar_lines([row("ioattn", 1.0)]) == []
+
+
 def test_backward_rows_of_a_case_share_one_timing_method():
     def row(backend, alone_ms, by_difference_ms):
         extra = {"fwd_bwd_minus_fwd_ms": by_difference_ms}
