@@ -27,7 +27,10 @@ cores, and only then is O rescaled. The softmax is online in base 2. With RESCAL
 measured faster: see GluonConfig) O is rescaled every tile as in FA2; with a positive threshold the rescale is
 conditional (FA4): the running max moves (and O, l are rescaled) only when some row's max grows by more than
 RESCALE_THRESHOLD (log2 units); otherwise P = exp2(S - stale max) stays below 2**RESCALE_THRESHOLD, and the
-result is exact because the final O / l and LSE use the same stale max.
+result is exact because the final O / l and LSE use the same stale max. Without OVERLAP
+(`_serial_key_loop`) each tile's S, softmax and P·V run in turn and the consumers take no turns: only one
+accumulator is live beside O, which lets three consumer warpgroups hold the fp8 forward's fresh P·V accumulator
+(or a masked D 64 loop) in 160 registers; their number, not the overlap, keeps the tensor cores fed.
 
 Layout: dense (B, N, H, D) tensors through rank-4 TMA descriptors with boxes [1, rows, 1, D], so rows past a
 sequence's end read as zero and are clipped on store, per batch. Varlen: packed (total, H, D) tensors seen as

@@ -35,7 +35,7 @@ TRITON_BWD_KERNEL = ("ioattn.kernels.prefill_bwd.attention_bwd_dq_kernel (with t
                      "attention_bwd_dkdv_kernel (launched by ioattn.ops.backward.attention_bwd)")
 TORCH_BWD_KERNEL = "ioattn.ops.torch_backward.attention_bwd_torch"
 GLUON_KERNEL = ("ioattn.kernels.gluon_fwd.gluon_fwd_kernel (sm_90 warp-specialized: a TMA producer warp, two or "
-                "three ping-pong consumer warpgroups)")
+                "three consumer warpgroups, ping-pong or not as its tiles say)")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What a call will run and why; str() is the human-readable explanation."""
