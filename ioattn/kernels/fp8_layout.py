@@ -13,10 +13,12 @@ import triton.language as tl
 @triton.jit
 def transpose_keys_kernel(Src, Dst, n_keys, n_heads, width, stride_sb, stride_sn, stride_sh,
                           HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, PERMUTE: tl.constexpr):
-    """Grid (cdiv(width, BLOCK_K), B * H). Src: bytes (B, N, H, D), D contiguous; Dst: bytes (B, H, D, width)
-    contiguous. Program (k, bh) writes positions k * BLOCK_K .. of batch bh // H, head bh % H."""
-    block = tl.program_id(0)
-    bh = tl.program_id(1)
+    """Grid (B * H * cdiv(width, BLOCK_K),) (one axis: the second is capped at 65535). Src: bytes (B, N, H, D), D
+    contiguous; Dst: bytes (B, H, D, width) contiguous. Program p writes positions (p % blocks) * BLOCK_K .. of
+    batch bh // H, head bh % H, where bh = p // blocks."""
+    blocks = tl.cdiv(width, BLOCK_K)
+    block = tl.program_id(0) % blocks
+    bh = tl.program_id(0) // blocks
     batch = bh // n_heads
     head = bh % n_heads
     positions = block * BLOCK_K + tl.arange(0, BLOCK_K)

@@ -117,7 +117,7 @@ def transposed(codes: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
         codes = codes.contiguous()
     block = 128 if width >= 128 else 16
     src, dst = codes.view(torch.uint8), out.view(torch.uint8)
-    transpose_keys_kernel[(triton.cdiv(width, block), batch * heads)](
+    transpose_keys_kernel[(triton.cdiv(width, block) * batch * heads,)](
         src, dst, n, heads, width, src.stride(0), src.stride(1), src.stride(2), HEAD_DIM=dim, BLOCK_K=block,
         PERMUTE=permute_keys, num_warps=4)
     return out
@@ -214,8 +214,9 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     """FP8 attention forward with flash-attn's dense layout: q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), causal and
     window_size bottom-right as in `flash_attn_func`. q, k, v either all 16-bit (quantized here per
     `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
-    q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16).
-    Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
+    q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16;
+    their values must be finite and > 0, read once per tensor and in-place version: a tensor rewritten by a raw
+    kernel store, which torch's version counter does not see, is not read again). Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
     config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s; or with
     backend="gluon" a GluonConfig (`ioattn.ops.gluon_forward`) for the Gluon one. backend: "gluon"
     (sm_90: the warp-specialized kernel; D <= 128, full or causal attention), "triton", or "auto" (Gluon where it
