@@ -310,6 +310,27 @@ def _store_rows(o, seqs, first_row, rows_left, head, o_layout: gl.constexpr):
 
 
 @gluon.jit
+def _loop_copy(part: gl.constexpr, start, plain_start, plain_end, n_own, LEFT: gl.constexpr):
+    """The key tiles [j_start, j_end) of copy `part` of a key loop over tiles start .. n_own: 0, those crossing
+    the left window edge (masked); 1, those no score mask touches (plain_start .. plain_end); 2, those crossing
+    the diagonal or the end of K (masked)."""
+    unmasked_start = gl.minimum(gl.maximum(plain_start, start), n_own)
+    unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
+    if part == 0:
+        j_start = start
+        j_end = start
+        if LEFT:
+            j_end = unmasked_start
+    elif part == 1:
+        j_start = unmasked_start
+        j_end = unmasked_end
+    else:
+        j_start = unmasked_end
+        j_end = n_own
+    return j_start, j_end
+
+
+@gluon.jit
 def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_start, plain_end, rows, len_q, len_k,
                      window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales, v_scales,
                      scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
@@ -334,22 +355,8 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
     if FP8:
         k_scale = _tile_scale(k_scales, first, scale_tiles_k - 1)
         v_scale = _tile_scale(v_scales, first, scale_tiles_k - 1)
-    # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then those
-    # crossing the diagonal or the end of K (masked)
-    unmasked_start = gl.minimum(gl.maximum(plain_start, 0), n_own)
-    unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
     for part in gl.static_range(3):
-        if part == 0:
-            j_start = 0
-            j_end = 0
-            if LEFT:
-                j_end = unmasked_start
-        elif part == 1:
-            j_start = unmasked_start
-            j_end = unmasked_end
-        else:
-            j_start = unmasked_end
-            j_end = n_own
+        j_start, j_end = _loop_copy(part, 0, plain_start, plain_end, n_own, LEFT)
         for j in range(j_start, j_end):
             stage = (it + j) % STAGES
             phase = ((it + j) // STAGES) & 1
@@ -523,23 +530,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     fence_async_shared()
                 elif not FP8:  # FP8: converted where its P·V is issued
                     p = _pack_pairs(p, dtype)
-                # the loop in copies: tiles crossing the left window edge (masked), those no score mask touches, then
-                # those crossing the diagonal or the end of K (masked). The unmasked copy is a third shorter, and no
-                # copy spills (the persistent loop's state does, once per work tile)
-                unmasked_start = gl.minimum(gl.maximum(plain_start, 1), n_own)
-                unmasked_end = gl.minimum(gl.maximum(plain_end, unmasked_start), n_own)
+                # the loop in copies (`_loop_copy`) from tile 1: the unmasked copy is a third shorter, and no copy
+                # spills (the persistent loop's state does, once per work tile)
                 for part in gl.static_range(3):
-                    if part == 0:
-                        j_start = 1
-                        j_end = 1
-                        if LEFT:
-                            j_end = unmasked_start
-                    elif part == 1:
-                        j_start = unmasked_start
-                        j_end = unmasked_end
-                    else:
-                        j_start = unmasked_end
-                        j_end = n_own
+                    j_start, j_end = _loop_copy(part, 1, plain_start, plain_end, n_own, LEFT)
                     for j in range(j_start, j_end):
                         stage = (it + j) % STAGES
                         prev = (it + j - 1) % STAGES
