@@ -153,13 +153,14 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
 
     types = dict(q_desc=desc(BLOCK_M), k_desc=desc(block_n), v_desc=desc(block_n), LSE="*fp32", qk_scale_log2="fp32",
                  o_desc=desc(BLOCK_M, "bf16", "bfloat16") if fp8 else desc(BLOCK_M))
-    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages, pingpong=cfg.pingpong if pingpong is None else pingpong,
-                              **override)
+    pingpong = cfg.pingpong if pingpong is None else pingpong
+    cfg = dataclasses.replace(cfg, block_n=block_n, stages=stages, pingpong=pingpong, **override)
     constexprs = dict(CONSUMERS=cfg.consumers, SNAKE=cfg.snake, LEFT=window, RIGHT=causal or window, BLOCK_N=block_n,
                       STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen, BAND=cfg.band,
-                      P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap)
+                      P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap,
+                      EXP2_POLY=cfg.exp2_poly)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

@@ -1,7 +1,8 @@
 """Does the Gluon FP8 forward at D 128 (three consumer warpgroups without the intra-warpgroup overlap, P from
-registers: `fp8_gluon_config(128)`) gain from the snake order of work tiles under a causal mask, O rescaled only
-when a row's max grows by more than 2 bits, or a fourth K/V stage; and how far are two ping-pong warpgroups with
-the overlap (the tiles before 2026-12-07) behind? Other variants with --variant. W2 5/7's bar: FP8 >= 1.6x our
+registers: `fp8_gluon_config(128)`) gain from taking one key's exp2 in 8, 4 or 2 on the FMA pipe
+(`GluonConfig.exp2_poly`, FA4's polynomial) rather than MUFU.EX2, whose 64 per thread and tile are 512 cycles of a
+sub-partition's MUFU, as many as the tile's two wgmmas take the tensor cores? (Earlier questions, with --variant:
+snake order, a 2-bit rescale threshold, four stages, two ping-pong warpgroups.) W2 5/7's bar: FP8 >= 1.6x our
 bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
@@ -24,10 +25,7 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
-VARIANTS = {"snake": {"snake": True}, "t2": {"rescale_threshold": 2.0}, "s4": {"stages": 4},
-            "snake-t2": {"snake": True, "rescale_threshold": 2.0},
-            "pingpong-shared": {**PINGPONG, "fp8_p_shared": True}}
+VARIANTS = {"poly8": {"exp2_poly": 8}, "poly4": {"exp2_poly": 4}, "poly2": {"exp2_poly": 2}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -46,6 +46,7 @@ under causal, come first; with bands of several blocks the tiles running at once
 
 from __future__ import annotations
 
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -164,13 +165,65 @@ def _mask_scores(s, j, rows, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, 
     return gl.where(visible, s, float("-inf"))
 
 
+# 2**f on [-1/2, 1/2] to 7.5e-5 relative (degree 3, fitted to the relative error; float32 coefficients)
+_EXP2_C0 = gl.constexpr(0.9999281167984009)
+_EXP2_C1 = gl.constexpr(0.6932609677314758)
+_EXP2_C2 = gl.constexpr(0.24261033535003662)
+_EXP2_C3 = gl.constexpr(0.05517134442925453)
+_ROUNDER = gl.constexpr(12582912.0)  # 1.5 * 2**23: x + it rounds x to an integer held in the low mantissa bits
+
+
 @gluon.jit
-def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.constexpr, P_LOG2: gl.constexpr):
+def _exp2_poly(x):
+    """2**x without the MUFU (FA4's exp2 emulation, for the tiles where MUFU.EX2 is as busy as the tensor cores):
+    round x to n, a cubic in the rest, times 2**n built in the exponent bits. x clamps at -127, where 2**n's bits
+    come out 0: -inf gives exactly 0 (masked keys, unseen rows), NaN stays NaN. Nine FMA-pipe instructions."""
+    x = gl.maximum(x, -127.0, propagate_nan=tl.PropagateNan.ALL)
+    t = x + _ROUNDER
+    f = x - (t - _ROUNDER)
+    poly = ((_EXP2_C3 * f + _EXP2_C2) * f + _EXP2_C1) * f + _EXP2_C0
+    # t's bits are 0x4B400000 + n: shifted by 23 only n's low 9 bits stay, then biased by 127 into the exponent
+    scale = (t.to(gl.int32, bitcast=True) << 23) + (127 << 23)
+    return poly * scale.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _exp2_mixed(x, EVERY: gl.constexpr):
+    """2**x [M, N] (S's accumulator layout) with one key in EVERY (2, 4 or 8) on the FMA pipe (`_exp2_poly`), the
+    rest on MUFU. The keys are picked by bits of the key index a thread holds in registers (a thread holds keys
+    32a + 16c + 8b + 2t + e, t its lane's quad position): e for 2, b then e for 4, c, b then e for 8; the parts
+    split and join in place (each layout conversion relabels registers only)."""
+    M: gl.constexpr = x.shape[0]
+    N: gl.constexpr = x.shape[1]
+    gl.static_assert((EVERY == 2) | (EVERY == 4) | (EVERY == 8), "EXP2_POLY is 0, 2, 4 or 8")
+    if EVERY == 2:
+        mufu, fma = x.reshape([M, N // 2, 2]).split()
+        p = gl.join(gl.exp2(mufu), _exp2_poly(fma)).reshape([M, N])
+    elif EVERY == 4:  # (M, a, b, r) -> (M, a, r, b): split on b, then the b = 1 half on e
+        low, high = x.reshape([M, N // 16, 2, 8]).permute((0, 1, 3, 2)).split()
+        mufu, fma = high.reshape([M, N // 16, 4, 2]).split()
+        high = gl.join(gl.exp2(mufu), _exp2_poly(fma)).reshape([M, N // 16, 8])
+        p = gl.join(gl.exp2(low), gl.convert_layout(high, low.type.layout)).permute((0, 1, 3, 2)).reshape([M, N])
+    else:  # (M, a, c, b, r) -> (M, a, r, b, c): split on c, the c = 1 half on b, its b = 1 half on e
+        low, high = x.reshape([M, N // 32, 2, 2, 8]).permute((0, 1, 4, 3, 2)).split()
+        high_low, high_high = high.split()
+        mufu, fma = high_high.reshape([M, N // 32, 4, 2]).split()
+        high_high = gl.join(gl.exp2(mufu), _exp2_poly(fma)).reshape([M, N // 32, 8])
+        high = gl.join(gl.exp2(high_low), gl.convert_layout(high_high, high_low.type.layout))
+        p = gl.join(gl.exp2(low), gl.convert_layout(high, low.type.layout)).permute((0, 1, 4, 3, 2))
+        p = p.reshape([M, N])
+    return p
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.constexpr, P_LOG2: gl.constexpr,
+                  EXP2_POLY: gl.constexpr):
     """One tile of the online softmax in base 2. Returns P (x 2**P_LOG2), the new (m, l), whether O must be
     rescaled and by what. The scores' scale is per row (scale_rows: a scalar or a row vector; scale_cols: the
     same, broadcastable over the tile). With a positive threshold m only moves when some row's max grew by more
     than it: every row's P stays below 2**threshold, and O, l, LSE all refer to the same m. With 0, m follows
-    every row's max (FA2)."""
+    every row's max (FA2). EXP2_POLY (2, 4 or 8): one key in that many takes its exp2 on the FMA pipe
+    (`_exp2_mixed`); 0: every one on MUFU."""
     m_tile = gl.max(s, 1) * scale_rows
     m_new = gl.maximum(m_i, m_tile)
     if RESCALE_THRESHOLD > 0:
@@ -185,7 +238,11 @@ def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.con
         m_i = m_new
         l_i = l_i * alpha
     m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-    p = gl.exp2(s * scale_cols - (m_safe - P_LOG2)[:, None])
+    x = s * scale_cols - (m_safe - P_LOG2)[:, None]
+    if EXP2_POLY > 0:
+        p = gl.convert_layout(_exp2_mixed(x, EXP2_POLY), s.type.layout)
+    else:
+        p = gl.exp2(x)
     l_i = l_i + gl.sum(p, 1)
     return p, m_i, l_i, rescale, alpha
 
@@ -335,7 +392,7 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                      window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales, v_scales,
                      scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
                      P_SHARED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                     p_layout: gl.constexpr):
+                     p_layout: gl.constexpr, EXP2_POLY: gl.constexpr):
     """A work tile's key loop without intra-warpgroup overlap: each tile's S, softmax and P·V in turn, so only
     one wgmma accumulator besides O is live (three consumer warpgroups fit their registers; their number, not
     the overlap, keeps the tensor cores fed). Tiles 0 .. n_own of the ring from `it`; returns (O, m, l)."""
@@ -373,10 +430,10 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
             if FP8:
                 tile_rows = row_scale * k_scale
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                            RESCALE_THRESHOLD, P_LOG2)
+                                                            RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
             else:
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                            RESCALE_THRESHOLD, P_LOG2)
+                                                            RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
             if rescale:
                 o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
@@ -408,7 +465,8 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
               batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
               seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
               PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr, BAND: gl.constexpr,
-              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr):
+              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr,
+              EXP2_POLY: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -502,7 +560,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         q, k_smem, v_smem, p_buffers.index(c), bars, it, first, n_own, plain_start, plain_end, rows,
                         len_q, len_k, window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales,
                         v_scales, scale_tiles_k, LEFT, RIGHT, RESCALE_THRESHOLD, P_SHARED, s_layout, o_layout,
-                        p_layout)
+                        p_layout, EXP2_POLY)
                 if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
                     mbarrier.arrive(q_empty.index(c), count=1)
             elif n_own > 0:
@@ -521,10 +579,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     k_scale_next = _tile_scale(k_scales, first + 1, scale_tiles_k - 1)
                     v_scale_prev = _tile_scale(v_scales, first, scale_tiles_k - 1)
                     p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                                RESCALE_THRESHOLD, P_LOG2)
+                                                                RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
                 else:
                     p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                                RESCALE_THRESHOLD, P_LOG2)
+                                                                RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
                 if P_SHARED:
                     p_smem.store(p.to(dtype))
                     fence_async_shared()
@@ -572,14 +630,14 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         if FP8:
                             tile_rows = row_scale * k_scale
                             p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                                             RESCALE_THRESHOLD, P_LOG2)
+                                                                             RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
                             if P_SHARED:
                                 pv = warpgroup_mma_wait(0, deps=[pv])
                                 mbarrier.arrive(v_empty.index(prev), count=1)
                                 o = o + pv * v_scale
                         else:
                             p_next, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                                             RESCALE_THRESHOLD, P_LOG2)
+                                                                             RESCALE_THRESHOLD, P_LOG2, EXP2_POLY)
                             o, p_op = warpgroup_mma_wait(0, deps=[o, p_op])
                             mbarrier.arrive(v_empty.index(prev), count=1)
                         if rescale:
@@ -665,7 +723,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      scale_block=1, scale_blocks_q=1, scale_tiles_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
                      BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True):
+                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True,
+                     EXP2_POLY: gl.constexpr = 0):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -678,7 +737,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     `scale_block` query rows; K_scale and V_scale (B, Hkv, scale_tiles_k) float32 contiguous, one scale per
     BLOCK_N-key tile. P_SHARED: P goes to the P·V wgmma through shared memory; else from registers with V's keys
     permuted in groups of 16 (`_fp8_operand`). OVERLAP: tile j + 1's S wgmma runs beside tile j's softmax and P·V
-    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong."""
+    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong. EXP2_POLY:
+    0, or one key in 2, 4 or 8 takes the softmax's exp2 on the FMA pipe (`_exp2_mixed`)."""
     gl.static_assert(OVERLAP or not PINGPONG, "ping-pong takes turns by the overlapped loop's slots")
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -737,10 +797,12 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         EXP2_POLY)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         EXP2_POLY)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -748,13 +810,16 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         EXP2_POLY)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         EXP2_POLY)),
             (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
                          n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         EXP2_POLY)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

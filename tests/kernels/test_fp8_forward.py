@@ -196,8 +196,9 @@ PINGPONG = dict(consumers=2, maxnreg=168, consumer_regs=240, pingpong=True, over
 @pytest.mark.gpu
 @pytest.mark.parametrize("p_shared, threshold, tiles", [
     (False, 0.0, {}), (True, 0.0, {}), (False, 2.0, {}), (False, 0.0, PINGPONG), (True, 0.0, PINGPONG),
-    (False, 2.0, PINGPONG)], ids=["serial-registers", "serial-shared", "serial-t2", "pingpong-registers",
-                                  "pingpong-shared", "pingpong-t2"])
+    (False, 2.0, PINGPONG), (False, 0.0, {"exp2_poly": 4}), (True, 0.0, {**PINGPONG, "exp2_poly": 2})],
+    ids=["serial-registers", "serial-shared", "serial-t2", "pingpong-registers", "pingpong-shared", "pingpong-t2",
+         "serial-exp2-poly4", "pingpong-shared-exp2-poly2"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale_block", [128, 384])
 def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, tiles, causal, scale_block):
