@@ -4,6 +4,8 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
+#   launch: host µs of the Gluon forward's launch: Triton's JIT dispatch against the compiled kernel called
+#           directly and the driver launch alone (lab/launch_cost.py)                                  <= 60 s
 #   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
@@ -129,6 +131,11 @@ snake_order() {
     timeout 80 python3 lab/gluon_fwd_bench.py --head-dims 128,256 --causal yes --variant "snake:snake=true" \
         --only gluon,gluon-snake,torch-cudnn --budget-s 60 2>&1 | grep -v Warning | cut -c1-200
 }
+launch_cost() {
+    source "$lab/device_log.sh" launch.log
+    step "host µs of the Gluon forward's launch: JIT dispatch, the compiled kernel directly, the driver alone"
+    timeout 55 python3 lab/launch_cost.py "$OUT/launch-cost.json" 2>&1 | grep -v Warning | cut -c1-300
+}
 harness_gap() {
     source "$lab/device_log.sh" gap.log
     step "causal N 2k: the public call, the Gluon forward called directly, cuDNN; host time per call"
@@ -148,6 +155,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
+run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"
 run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part poly 280 bash -c "$(declare -f poly_exp2); lab=$lab; poly_exp2"
