@@ -10,12 +10,12 @@ import dataclasses
 import functools
 import json
 import sys
-import time
 
 import torch
 import triton
 
 import ioattn
+from host_parts import host_us_rounds
 from ioattn.bench import harness
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config, gluon_forward_fp8
@@ -25,18 +25,8 @@ C3 = {"consumers": 3, "maxnreg": 128, "consumer_regs": 160, "pingpong": False, "
 
 
 def host_us(fn, calls=50):
-    """Host microseconds per call with the GPU busy (launches queue; a part that synchronizes waits it out)."""
-    fn()
-    best = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best.append((time.perf_counter() - start) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return min(best)
+    """Host microseconds per call, the best of a few rounds with the GPU busy (`host_parts.host_us_rounds`)."""
+    return min(host_us_rounds(fn, calls=calls, rounds=3, busy_cycles=200_000_000))
 
 
 def main():

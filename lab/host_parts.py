@@ -26,17 +26,24 @@ def main():
         "cudnn sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
     }
     for name, fn in parts.items():
-        fn()
-        best = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(500_000_000)
-            start = time.perf_counter()
-            for _ in range(100):
-                fn()
-            best.append((time.perf_counter() - start) * 1e4)
-            torch.cuda.synchronize()
+        best = host_us_rounds(fn)
         print(f"{name:18s} {min(best):7.1f} us (median {sorted(best)[2]:.1f})", flush=True)
+
+
+def host_us_rounds(fn, calls=100, rounds=5, busy_cycles=500_000_000) -> list[float]:
+    """Host microseconds per call of `fn` in each of `rounds` rounds of `calls` calls, the GPU held busy
+    (`torch.cuda._sleep`) so that launches queue: a part that waits for the GPU shows the busy time."""
+    fn()
+    best = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(busy_cycles)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - start) * 1e6 / calls)
+        torch.cuda.synchronize()
+    return best
 
 
 if __name__ == "__main__":

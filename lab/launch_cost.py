@@ -14,27 +14,18 @@ direct path's output is compared with the JIT launch's.
 import inspect
 import json
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from host_parts import host_us_rounds
 from ioattn.ops.gluon_forward import BLOCK_M, _descriptor, _grid, gluon_config, launch_dense, separate_o
 
 
 def host_us(fn, calls=200):
-    fn()
-    best = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(400_000_000)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best.append((time.perf_counter() - start) * 1e6 / calls)
-        torch.cuda.synchronize()
-    return min(best)
+    """Host microseconds per call, the best of a few rounds with the GPU busy (`host_parts.host_us_rounds`)."""
+    return min(host_us_rounds(fn, calls=calls, rounds=5, busy_cycles=400_000_000))
 
 
 def main():
