@@ -247,6 +247,28 @@ def test_descales_are_read_once_per_version():
     ioattn.flash_attn_fp8_func(q, k, v, q_descale=ones[0], k_descale=ones[1], v_descale=ones[2])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_bad_descales_fail_alone_and_name_the_argument(seed):
+    """Fuzz: one descale of three corrupted (NaN, inf, negative, zero, -0.0 in one entry, or the wrong dtype)
+    fails with a ValueError naming it and is not remembered as checked; the next call with good descales runs."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (t.to(E4M3) for t in qkv(2, 16, 16, 4, 2, 64))
+    names = ("q_descale", "k_descale", "v_descale")
+    good = [torch.rand(2, 2, generator=gen) + 0.1 for _ in names]
+    bad = [t.clone() for t in good]
+    victim = int(torch.randint(3, (1,), generator=gen))
+    kind = seed % 6
+    if kind < 5:
+        row, col = (int(i) for i in torch.randint(2, (2,), generator=gen))
+        bad[victim][row, col] = (float("nan"), float("inf"), -1.0, 0.0, -0.0)[kind]
+    else:
+        bad[victim] = bad[victim].double()
+    with pytest.raises(ValueError, match=names[victim]):
+        ioattn.flash_attn_fp8_func(q, k, v, **dict(zip(names, bad)))
+    assert not fa8._CHECKED_DESCALES.holds(bad[victim])
+    assert torch.isfinite(ioattn.flash_attn_fp8_func(q, k, v, **dict(zip(names, good)))).all()
+
+
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 130, 300])
 @pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("permute", [False, True])
