@@ -216,7 +216,8 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     `scale_block` positions of each head, a multiple of 128; `hadamard=True` rotates Q and K first; output in
     q's dtype) or all float8_e4m3fn with q_descale / k_descale / v_descale float32 (B, Hkv) (output bfloat16;
     their values must be finite and > 0, read once per tensor and in-place version: a tensor rewritten by a raw
-    kernel store, which torch's version counter does not see, is not read again). Returns out, or (out, lse) with lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
+    kernel store, which torch's version counter does not see, is not read again). Returns out, or (out, lse) with
+    lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
     config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s; or with
     backend="gluon" a GluonConfig (`ioattn.ops.gluon_forward`) for the Gluon one. backend: "gluon"
     (sm_90: the warp-specialized kernel; D <= 128, full or causal attention), "triton", or "auto" (Gluon where it
