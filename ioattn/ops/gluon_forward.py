@@ -103,7 +103,7 @@ HEAD_DIMS = tuple(_CONFIGS)
 # The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
 _FP8_CONFIGS = {
     64: GluonConfig(block_n=128, stages=3),  # 8 KB Q + 3 x 16 KB + 16 KB O
-    # three consumer warpgroups without the overlap, P from registers: the kernel alone 1.05-1.17x two ping-pong
+    # three consumer warpgroups without the overlap, P from registers: the kernel alone 1.04-1.17x two ping-pong
     # warpgroups at N 4k-16k, causal and not (bench/results/2026-12-07-serial-c3-h100): 24 KB Q + 3 x 32 KB + 48 KB
     # O. Not in snake order: causal 1.01-1.04x at 16/16 heads, but 0.65x at GQA 16/4 N 4k (that folder, call6-snake)
     128: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160, pingpong=False,
