@@ -77,7 +77,7 @@ poly_exp2() {
 }
 fp8_variants() {
     source "$lab/device_log.sh" fp8.log
-    step "the Gluon fp8 forward: P from registers / shared memory / 4 stages, beside bf16, Triton fp8 and cuDNN"
+    step "the Gluon fp8 forward's variants (fp8_gluon_variants.py VARIANTS), beside bf16, Triton fp8 and cuDNN"
     timeout 140 python3 lab/fp8_gluon_variants.py "$OUT/fp8-variants.json" 2>&1 | grep -v Warning | cut -c1-300
 }
 mla_lab() {
