@@ -160,7 +160,7 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen, BAND=cfg.band,
                       P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap,
-                      EXP2_POLY=cfg.exp2_poly)
+                      ROW_SUM_MMA=cfg.row_sum_mma)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

@@ -1,9 +1,8 @@
 """Does the Gluon FP8 forward at D 128 (three consumer warpgroups without the intra-warpgroup overlap, P from
-registers: `fp8_gluon_config(128)`) gain from taking one key's exp2 in 8, 4 or 2 on the FMA pipe
-(`GluonConfig.exp2_poly`, FA4's polynomial) rather than MUFU.EX2, whose 64 per thread and tile are 512 cycles of a
-sub-partition's MUFU, as many as the tile's two wgmmas take the tensor cores? (Earlier questions, with --variant:
-snake order, a 2-bit rescale threshold, four stages, two ping-pong warpgroups.) W2 5/7's bar: FP8 >= 1.6x our
-bf16 forward at D 128, N >= 4k.
+registers: `fp8_gluon_config(128)`) gain from the softmax's row sums as P·1 on the tensor cores
+(`GluonConfig.row_sum_mma`), with P from registers or through shared memory? (Earlier questions, with --variant:
+snake order, a 2-bit rescale threshold, four stages, two ping-pong warpgroups.) W2 5/7's bar: FP8 >=
+1.6x our bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
@@ -25,7 +24,7 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-VARIANTS = {"poly8": {"exp2_poly": 8}, "poly4": {"exp2_poly": 4}, "poly2": {"exp2_poly": 2}}
+VARIANTS = {"rowsum": {"row_sum_mma": True}, "rowsum-shared": {"row_sum_mma": True, "fp8_p_shared": True}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -34,8 +34,7 @@ for head_dim, causal, dtype, override in json.loads(sys.argv[1]):
 """
 PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
 OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
-             "fp8-pingpong-registers": {**PINGPONG, "fp8_p_shared": False}, "exp2-poly": {"exp2_poly": 8},
-             "fp8-exp2-poly": {"exp2_poly": 2}}
+             "fp8-pingpong-registers": {**PINGPONG, "fp8_p_shared": False}}
 
 @pytest.mark.parametrize("change, why", [
     (dict(band=0), "GluonConfig.band must be an int >= 1"),
@@ -52,8 +51,8 @@ OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
     (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
     (dict(snake=1), "GluonConfig.snake must be a bool"),
     (dict(overlap=False), "GluonConfig.overlap=False needs pingpong=False"),
-    (dict(exp2_poly=3), "GluonConfig.exp2_poly must be 0, 2, 4 or 8"),
-    (dict(exp2_poly=True), "GluonConfig.exp2_poly must be"),
+    (dict(row_sum_mma=True), "GluonConfig.row_sum_mma=True needs overlap=False"),
+    (dict(row_sum_mma=1), "GluonConfig.row_sum_mma must be a bool"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -65,7 +64,7 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
     cases = [[64, False, "bf16"], [64, True, "bf16"], [128, False, "bf16"], [128, True, "bf16"],
              [256, True, "bf16"], [128, False, "fp8"], [128, True, "fp8"], [128, False, "fp8-pingpong"],
              [128, True, "fp8-pingpong"], [128, False, "fp8-pingpong-registers"], [128, False, "window"],
-             [128, True, "varlen"], [64, True, "window"], [64, True, "exp2-poly"], [128, False, "fp8-exp2-poly"]]
+             [128, True, "varlen"], [64, True, "window"]]
     builds = build_records(_AOT_SCRIPT, json.dumps([[*case, OVERRIDES.get(case[2], {})] for case in cases]))
     assert [b["case"] for b in builds] == cases
     for b in builds:
@@ -84,40 +83,12 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
         assert len(kv_loops) >= 2 * cfg.consumers, b
         # each consumer's unmasked copy (the shortest loops) spills nothing; fp8 with P from registers reloads a
         # row scale once a tile (160 registers of three warpgroups, or two ping-pong warpgroups' S, P·V and O)
-        allowed = 2 if dtype in ("fp8", "fp8-pingpong-registers", "fp8-exp2-poly") else 0
+        allowed = 2 if dtype in ("fp8", "fp8-pingpong-registers") else 0
         assert all(loop["spills"] <= allowed for loop in kv_loops[:cfg.consumers]), b
         # the masked copies run on a work tile's diagonal tiles only: the fp8 causal ones of the two worker
         # warpgroups (160 registers) reload 15 values a tile
         assert all(loop["spills"] <= 16 for loop in kv_loops), b
         assert "LOCAL:0 " in b["resources"] and int(b["resources"].split("STACK:")[1].split()[0]) <= 160, b
-
-
-def _exp2_poly_float32(x):
-    """`ioattn.kernels.gluon_fwd._exp2_poly` step by step in numpy float32 (the kernel's constants)."""
-    import numpy as np
-
-    from ioattn.kernels import gluon_fwd as g
-
-    c0, c1, c2, c3, rounder = (np.float32(c.value) for c in (g._EXP2_C0, g._EXP2_C1, g._EXP2_C2, g._EXP2_C3,
-                                                            g._ROUNDER))
-    x = np.asarray(x, np.float32)
-    x = np.where(np.isnan(x), x, np.maximum(x, np.float32(-127.0)))  # max.NaN: NaN stays
-    t = x + rounder
-    f = x - (t - rounder)
-    poly = ((c3 * f + c2) * f + c1) * f + c0
-    scale = ((t.view(np.int32).astype(np.int64) << 23) + (127 << 23)) & 0xFFFFFFFF  # int32 wrap-around
-    return poly * scale.astype(np.uint32).view(np.float32)
-
-
-def test_exp2_on_the_fma_pipe_is_within_its_bound():
-    """The polynomial exp2 (`GluonConfig.exp2_poly`): 7.5e-5 relative over the softmax's range (P up to 2**8 in
-    the fp8 forward), exactly 0 for masked scores (-inf, and anything below -127), NaN kept."""
-    import numpy as np
-
-    x = np.linspace(-126.0, 8.5, 1_000_001, dtype=np.float32)
-    assert np.abs(_exp2_poly_float32(x) / np.exp2(x.astype(np.float64)) - 1).max() < 7.6e-5
-    edge = _exp2_poly_float32([-np.inf, -127.0, -1e30, np.nan])
-    assert (edge[:3] == 0).all() and np.isnan(edge[3])
 
 
 def test_configs_fit_shared_memory():
@@ -248,13 +219,20 @@ THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pingpong, overlap", [(True, True), (False, True), (False, False)])
-def test_three_consumer_warpgroups(causal, pingpong, overlap):
+@pytest.mark.parametrize("pingpong, overlap, row_sum", [(True, True, False), (False, True, False),
+                                                       (False, False, False), (False, False, True)])
+def test_three_consumer_warpgroups(causal, pingpong, overlap, row_sum):
     """Work tiles of 3 x 64 query rows (FA3's shape at D 64): the ping-pong turn passes round three warpgroups,
-    every K/V stage waits for three releases, with the intra-warpgroup overlap or each tile in turn; lengths that
-    leave the last work tile's second or third Q tile wholly past Nq, Nq != Nk both ways, GQA, fp16, a sliding
-    window, varlen through the same kernel."""
-    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, overlap=overlap, **THREE_CONSUMERS)
+    every K/V stage waits for three releases, with the intra-warpgroup overlap or each tile in turn (and there the
+    row sums as P·1 on the tensor cores); lengths that leave the last work tile's second or third Q tile wholly
+    past Nq, Nq != Nk both ways, GQA, fp16, a sliding window, varlen through the same kernel."""
+    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, overlap=overlap, row_sum_mma=row_sum,
+                                 **THREE_CONSUMERS)
+    if row_sum:  # D 128's tiles, and O and l rescaled only when a row's max grows by more than 2**8
+        wide = dataclasses.replace(config, rescale_threshold=8.0)
+        _check(*_inputs(1, 1000, 1300, 8, 2, 128, torch.bfloat16, seed=5), causal, config=wide)
+        _check(*_inputs(1, 512, 2048, 4, 4, 128, torch.float16, seed=6, scale=8.0), causal, softmax_scale=0.5,
+               config=wide)
     for n_q, n_k in ((1, 1), (100, 100), (130, 1000), (1950, 1950), (2000, 300), (193, 4096)):
         _check(*_inputs(2, n_q, n_k, 8, 2, 64, torch.bfloat16, seed=n_q * 7 + n_k), causal, config=config)
     _check(*_inputs(1, 777, 777, 4, 4, 64, torch.float16, seed=11), causal, config=config)
@@ -273,24 +251,6 @@ def test_three_consumer_warpgroups(causal, pingpong, overlap):
                          softmax_scale=0.125, out=out, lse=lse, config=config)
     ref, ref_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
-
-
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("every", [2, 4, 8])
-@pytest.mark.parametrize("causal", [False, True])
-def test_exp2_on_the_fma_pipe(every, causal):
-    """One key in `every` takes its exp2 from the polynomial (`GluonConfig.exp2_poly`): every head dim's tiles
-    (two or three consumers, overlapped or not), Nq > Nk causal (rows that see no key: O 0, LSE -inf, exactly),
-    fp16, and scores that push P to its bound."""
-    for d in (64, 128, 256):
-        config = dataclasses.replace(gluon_config(d, causal), exp2_poly=every)
-        for n_q, n_k in ((1000, 1000), (300, 1500), (1500, 300)):
-            _check(*_inputs(1, n_q, n_k, 8, 2, d, torch.bfloat16, seed=every * n_q + n_k + d), causal, config=config)
-    config = dataclasses.replace(gluon_config(128, causal), exp2_poly=every)
-    _check(*_inputs(2, 777, 777, 4, 4, 128, torch.float16, seed=every), causal, config=config)
-    _check(*_inputs(1, 512, 2048, 4, 4, 128, torch.float16, seed=every, scale=8.0), causal, softmax_scale=0.5,
-           config=config)
 
 
 WINDOWS = [(0, 0), (1, 0), (63, 0), (64, 0), (100, 37), (256, -1), (-1, 200), (500, 500), (3000, 0), (5, 300)]
