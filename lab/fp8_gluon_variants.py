@@ -1,8 +1,8 @@
 """Does the Gluon FP8 forward at D 128 (three consumer warpgroups without the intra-warpgroup overlap, P from
-registers: `fp8_gluon_config(128)`) gain from the softmax's row sums as P·1 on the tensor cores
-(`GluonConfig.row_sum_mma`), with P from registers or through shared memory? (Earlier questions, with --variant:
-snake order, a 2-bit rescale threshold, four stages, two ping-pong warpgroups.) W2 5/7's bar: FP8 >=
-1.6x our bf16 forward at D 128, N >= 4k.
+registers: `fp8_gluon_config(128)`) gain from the snake order of work tiles under a causal mask, O rescaled only
+when a row's max grows by more than 2 bits, or a fourth K/V stage; and how far are two ping-pong warpgroups with
+the overlap (the tiles before 2026-12-07) behind? Other variants with --variant. W2 5/7's bar: FP8 >= 1.6x our
+bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
@@ -24,7 +24,10 @@ import ioattn
 from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
-VARIANTS = {"rowsum": {"row_sum_mma": True}, "rowsum-shared": {"row_sum_mma": True, "fp8_p_shared": True}}
+PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
+VARIANTS = {"snake": {"snake": True}, "t2": {"rescale_threshold": 2.0}, "s4": {"stages": 4},
+            "snake-t2": {"snake": True, "rescale_threshold": 2.0},
+            "pingpong-shared": {**PINGPONG, "fp8_p_shared": True}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -47,7 +47,7 @@ def main():
                           RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong,
                           CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                           SEPARATE_O=separate_o(d, cfg, 2), BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake,
-                          OVERLAP=cfg.overlap, ROW_SUM_MMA=cfg.row_sum_mma)
+                          OVERLAP=cfg.overlap)
         options = dict(num_warps=cfg.num_warps, maxnreg=cfg.maxnreg)
         compiled = gluon_fwd_kernel[grid](*args, **constexprs, **options)
         torch.cuda.synchronize()

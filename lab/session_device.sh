@@ -9,8 +9,7 @@
 #   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
-#   rowsum: the softmax's row sums as P·1 on the tensor cores (GluonConfig.row_sum_mma): its GPU tests, then bf16 at
-#           D 64 / 128 (causal and not, N 2k-16k) beside cuDNN, then the fp8 forward at D 128       <= 390 s
+#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 420 s
 #   fp8:    the Gluon fp8 forward's variants (lab/fp8_gluon_variants.py VARIANTS) beside our bf16 forward, the
 #           Triton fp8 kernel and cuDNN (W2 5/7's fp8 bar)                                          <= 150 s
 #   mla-lab: 128 and 16 heads with O stored through the ring's stages beside the direct store; the
@@ -65,19 +64,24 @@ matrix_test_part() {
     gpu_tests 200 8 gpu-tests.txt tests/kernels/test_kernel_matrix_gpu.py tests/kernels/test_prefill_fwd.py \
         tests/kernels/test_prefill_bwd.py
 }
-row_sum() {
-    source "$lab/device_log.sh" rowsum.log
-    step "GPU tests: the row sums as P·1 on the tensor cores (bf16/fp16 three consumers, fp8)"
-    gpu_tests 110 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py \
-        -k "three_consumer or takes_p_from"
-    local c3="consumers=3,maxnreg=128,consumer_regs=160,pingpong=false,overlap=false"
-    step "bf16: the row sums as P·1 (rowsum: the masked D 64 default; c3rowsum: three serial consumers) and cuDNN"
-    timeout 140 python3 lab/gluon_fwd_bench.py --head-dims 64,128 --seqlens 2048,4096,16384 \
-        --variant rowsum:row_sum_mma=true --variant "c3serial:$c3" --variant "c3rowsum:$c3,row_sum_mma=true" \
-        --only gluon,gluon-rowsum,gluon-c3serial,gluon-c3rowsum,torch-cudnn --budget-s 120 2>&1 | grep -v Warning \
-        | cut -c1-200
-    step "fp8 D 128: the row sums as P·1 beside the default (fp8_gluon_variants.py VARIANTS)"
-    timeout 110 python3 lab/fp8_gluon_variants.py "$OUT/fp8-rowsum.json" 2>&1 | grep -v Warning | cut -c1-400
+ncu_profile() {
+    source "$lab/device_log.sh" ncu.log
+    local ncu sections=() c pipes=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+    pipes+=,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
+    for c in SpeedOfLight ComputeWorkloadAnalysis WarpStateStats SchedulerStats InstructionStats Occupancy \
+            LaunchStats MemoryWorkloadAnalysis; do sections+=(--section "$c"); done
+    for c in d64causal-gluon d64causal-cudnn d128-gluon d128-cudnn fp8-gluon mla128; do
+        step "ncu $c (lab/ncu_kernels.py)"
+        timeout 60 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" \
+            python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
+        echo "ncu exit $?"
+        grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Eligible" \
+            "$OUT/ncu-$c.txt" | cut -c1-120 | head -24
+        timeout 45 "$ncu" --clock-control none --profile-from-start off --metrics "$pipes" \
+            python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-pipes-$c.txt" 2>&1
+        echo "ncu pipes exit $?"; grep -E "^  [a-z_0-9]+.*\(|sm__" "$OUT/ncu-pipes-$c.txt" | cut -c1-120 | head -12
+    done
 }
 fp8_variants() {
     source "$lab/device_log.sh" fp8.log
@@ -162,7 +166,7 @@ run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"
 run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
-run_part rowsum 390 bash -c "$(declare -f row_sum); lab=$lab; row_sum"
+run_part ncu 420 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part fp8 150 bash -c "$(declare -f fp8_variants); lab=$lab; fp8_variants"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
 run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"

@@ -165,13 +165,12 @@ def _mask_scores(s, j, rows, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, 
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.constexpr, P_LOG2: gl.constexpr,
-                  SUM_ROWS: gl.constexpr = True):
+def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.constexpr, P_LOG2: gl.constexpr):
     """One tile of the online softmax in base 2. Returns P (x 2**P_LOG2), the new (m, l), whether O must be
     rescaled and by what. The scores' scale is per row (scale_rows: a scalar or a row vector; scale_cols: the
     same, broadcastable over the tile). With a positive threshold m only moves when some row's max grew by more
     than it: every row's P stays below 2**threshold, and O, l, LSE all refer to the same m. With 0, m follows
-    every row's max (FA2). Without SUM_ROWS l is only rescaled (the caller sums P on the tensor cores)."""
+    every row's max (FA2)."""
     m_tile = gl.max(s, 1) * scale_rows
     m_new = gl.maximum(m_i, m_tile)
     if RESCALE_THRESHOLD > 0:
@@ -186,10 +185,8 @@ def _softmax_step(s, m_i, l_i, scale_rows, scale_cols, RESCALE_THRESHOLD: gl.con
         m_i = m_new
         l_i = l_i * alpha
     m_safe = gl.where(m_i == float("-inf"), 0.0, m_i)
-    x = s * scale_cols - (m_safe - P_LOG2)[:, None]
-    p = gl.exp2(x)
-    if SUM_ROWS:
-        l_i = l_i + gl.sum(p, 1)
+    p = gl.exp2(s * scale_cols - (m_safe - P_LOG2)[:, None])
+    l_i = l_i + gl.sum(p, 1)
     return p, m_i, l_i, rescale, alpha
 
 
@@ -334,17 +331,14 @@ def _loop_copy(part: gl.constexpr, start, plain_start, plain_end, n_own, LEFT: g
 
 
 @gluon.jit
-def _serial_key_loop(q, k_smem, v_smem, p_smem, ones_smem, bars, it, first, n_own, plain_start, plain_end, rows,
-                     len_q, len_k, window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales,
-                     v_scales, scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-                     RESCALE_THRESHOLD: gl.constexpr, P_SHARED: gl.constexpr, ROW_SUM_MMA: gl.constexpr,
-                     s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_start, plain_end, rows, len_q, len_k,
+                     window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales, v_scales,
+                     scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+                     P_SHARED: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                     p_layout: gl.constexpr):
     """A work tile's key loop without intra-warpgroup overlap: each tile's S, softmax and P·V in turn, so only
     one wgmma accumulator besides O is live (three consumer warpgroups fit their registers; their number, not
-    the overlap, keeps the tensor cores fed). Tiles 0 .. n_own of the ring from `it`; returns (O, m, l).
-    ROW_SUM_MMA: l is P·1 (`ones_smem`, [8, BLOCK_N] ones) on the tensor cores beside P·V, in an 8-column
-    accumulator, instead of the row sums' adds and shuffles in every tile (l then sums the P that P·V read,
-    rounded to the operand's type)."""
+    the overlap, keeps the tensor cores fed). Tiles 0 .. n_own of the ring from `it`; returns (O, m, l)."""
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -356,12 +350,6 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, ones_smem, bars, it, first, n_ow
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # P·1: each of the 8 columns holds l; its A operand is P's, relabelled to the narrow accumulator's parent
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 8, 256 // dtype.primitive_bitwidth])
-    p_sum_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout,
-                                                     k_width=32 // dtype.primitive_bitwidth)
-    l_acc = gl.zeros([BLOCK_M, 8], gl.float32, l_layout)
     k_scale = qk_scale_log2  # the 16-bit forward's scores have one scale
     v_scale = qk_scale_log2  # unread by the 16-bit forward
     if FP8:
@@ -385,14 +373,12 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, ones_smem, bars, it, first, n_ow
             if FP8:
                 tile_rows = row_scale * k_scale
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
-                                                            RESCALE_THRESHOLD, P_LOG2, not ROW_SUM_MMA)
+                                                            RESCALE_THRESHOLD, P_LOG2)
             else:
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
-                                                            RESCALE_THRESHOLD, P_LOG2, not ROW_SUM_MMA)
+                                                            RESCALE_THRESHOLD, P_LOG2)
             if rescale:
                 o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
-                if ROW_SUM_MMA:
-                    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
             if FP8:  # two-level accumulation: the tile's P·V in a fresh accumulator, added to O with its V scale
                 if P_SHARED:
@@ -400,48 +386,29 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, ones_smem, bars, it, first, n_ow
                     fence_async_shared()
                     pv = warpgroup_mma(p_smem, v_smem.index(stage).permute((1, 0)), o_init, use_acc=False,
                                        is_async=True)
-                    if ROW_SUM_MMA:
-                        l_tile = warpgroup_mma(p_smem, ones_smem.permute((1, 0)), l_acc, use_acc=False,
-                                               is_async=True)
-                        pv, l_tile = warpgroup_mma_wait(0, deps=[pv, l_tile])
-                        l_acc = l_acc + l_tile
-                    else:
-                        pv = warpgroup_mma_wait(0, deps=[pv])
+                    pv = warpgroup_mma_wait(0, deps=[pv])
                 else:
                     p_op = _fp8_operand(p, p_layout)
                     pv = warpgroup_mma(p_op, v_smem.index(stage).permute((1, 0)), o_init, use_acc=False,
                                        is_async=True)
-                    if ROW_SUM_MMA:  # two-level as P·V: a fresh accumulator, added in float32
-                        l_tile = warpgroup_mma(gl.convert_layout(p_op, p_sum_layout), ones_smem.permute((1, 0)),
-                                               l_acc, use_acc=False, is_async=True)
-                        pv, l_tile = warpgroup_mma_wait(0, deps=[pv, l_tile])
-                        l_acc = l_acc + l_tile
-                    else:
-                        pv = warpgroup_mma_wait(0, deps=[pv])  # (no 8-bit dependency: p_op is rebuilt next tile)
+                    pv = warpgroup_mma_wait(0, deps=[pv])  # (no 8-bit dependency: p_op is rebuilt next tile)
                 o = o + pv * v_scale
                 k_scale = k_scale_next
                 v_scale = v_scale_next
             else:
                 p_op = _unpack_pairs(_pack_pairs(p, dtype), dtype, p_layout)
                 o = warpgroup_mma(p_op, v_smem.index(stage), o, is_async=True)
-                if ROW_SUM_MMA:
-                    p_sum = gl.convert_layout(p_op, p_sum_layout)
-                    l_acc = warpgroup_mma(p_sum, ones_smem.permute((1, 0)), l_acc, is_async=True)
-                    o, l_acc = warpgroup_mma_wait(0, deps=[o, l_acc, p_op, p_sum])[:2]
-                else:
-                    o = warpgroup_mma_wait(0, deps=[o, p_op])[0]
+                o = warpgroup_mma_wait(0, deps=[o, p_op])[0]
             mbarrier.arrive(v_empty.index(stage), count=1)
-    if ROW_SUM_MMA:
-        l_i = gl.convert_layout(gl.max(l_acc, 1), m_i.type.layout)
     return o, m_i, l_i
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads,
-              group, batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
+def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
+              batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
               seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
               PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr, BAND: gl.constexpr,
-              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr, ROW_SUM_MMA: gl.constexpr):
+              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -532,10 +499,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                         v_scales = LSE
                         scale_tiles_k = 1
                     o, m_i, l_i = _serial_key_loop(
-                        q, k_smem, v_smem, p_buffers.index(c), ones_smem, bars, it, first, n_own, plain_start,
-                        plain_end, rows, len_q, len_k, window_left, window_right, o, m_i, l_i, qk_scale_log2,
-                        row_scale, k_scales, v_scales, scale_tiles_k, LEFT, RIGHT, RESCALE_THRESHOLD, P_SHARED,
-                        ROW_SUM_MMA, s_layout, o_layout, p_layout)
+                        q, k_smem, v_smem, p_buffers.index(c), bars, it, first, n_own, plain_start, plain_end, rows,
+                        len_q, len_k, window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales,
+                        v_scales, scale_tiles_k, LEFT, RIGHT, RESCALE_THRESHOLD, P_SHARED, s_layout, o_layout,
+                        p_layout)
                 if SEPARATE_O:  # every S wgmma has read Q: the producer may load the next work tile's
                     mbarrier.arrive(q_empty.index(c), count=1)
             elif n_own > 0:
@@ -698,8 +665,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      scale_block=1, scale_blocks_q=1, scale_tiles_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
                      BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True,
-                     ROW_SUM_MMA: gl.constexpr = False):
+                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -712,10 +678,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     `scale_block` query rows; K_scale and V_scale (B, Hkv, scale_tiles_k) float32 contiguous, one scale per
     BLOCK_N-key tile. P_SHARED: P goes to the P·V wgmma through shared memory; else from registers with V's keys
     permuted in groups of 16 (`_fp8_operand`). OVERLAP: tile j + 1's S wgmma runs beside tile j's softmax and P·V
-    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong. ROW_SUM_MMA
-    (without OVERLAP): the softmax's row sums as P·1 on the tensor cores."""
+    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong."""
     gl.static_assert(OVERLAP or not PINGPONG, "ping-pong takes turns by the overlapped loop's slots")
-    gl.static_assert(not (OVERLAP and ROW_SUM_MMA), "the row sums on the tensor cores are the serial loop's")
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -744,14 +708,6 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], tile_layout_kv)
         p_buffers = q_smem  # P stays in registers
         scales = (LSE, LSE, LSE, scale_block, scale_blocks_q, scale_tiles_k)
-    if ROW_SUM_MMA:  # P·1's B operand, K-major as K's tiles
-        ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)
-        fill_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-        ones_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], ones_layout,
-                                              gl.full([8, BLOCK_N], 1.0, gl.float16, fill_layout).to(dtype))
-        fence_async_shared()  # the wgmmas read it through the async proxy
-    else:
-        ones_smem = q_smem  # unread
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -779,31 +735,26 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "2 or 3 consumer warpgroups")
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads, group,
-                         batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs,
-                         LEFT, RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED,
-                         OVERLAP, ROW_SUM_MMA)),
-            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads, group,
-                         batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs,
-                         LEFT, RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED,
-                         OVERLAP, ROW_SUM_MMA)),
+            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads, group,
-                         batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs,
-                         LEFT, RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED,
-                         OVERLAP, ROW_SUM_MMA)),
-            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads, group,
-                         batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs,
-                         LEFT, RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED,
-                         OVERLAP, ROW_SUM_MMA)),
-            (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, ones_smem, bars, LSE, n_heads, group,
-                         batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs,
-                         LEFT, RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED,
-                         OVERLAP, ROW_SUM_MMA)),
+            (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+            (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+            (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
+                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
                          n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -55,9 +55,6 @@ class GluonConfig:
     # beside O). Without it (the kernel's _serial_key_loop) each tile runs in turn and the consumers take no turns:
     # the registers of three consumer warpgroups hold the fp8 forward's fresh P·V accumulator at D 128
     overlap: bool = True
-    # without the overlap: the softmax's row sums as P·1 on the tensor cores (an 8-column wgmma beside P·V) instead
-    # of ~64 adds and the quad shuffles per row in every tile
-    row_sum_mma: bool = False
 
     def __post_init__(self):
         check_launch_config(self)
@@ -74,8 +71,6 @@ class GluonConfig:
             raise ValueError(f"GluonConfig.consumers must be 2 or 3 (consumer warpgroups), got {self.consumers!r}")
         if not self.overlap and self.pingpong:
             raise ValueError("GluonConfig.overlap=False needs pingpong=False (the turns follow the overlapped loop)")
-        if self.row_sum_mma and self.overlap:
-            raise ValueError("GluonConfig.row_sum_mma=True needs overlap=False (the serial key loop's)")
         if not (whole(self.band) and self.band >= 1):
             raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
@@ -297,7 +292,6 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
         BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake, P_SHARED=cfg.fp8_p_shared, OVERLAP=cfg.overlap,
-        ROW_SUM_MMA=cfg.row_sum_mma,
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_tiles_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -356,8 +350,7 @@ def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left:
         softmax_scale * LOG2E, LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
-        CONSUMERS=cfg.consumers, SNAKE=cfg.snake, OVERLAP=cfg.overlap, ROW_SUM_MMA=cfg.row_sum_mma,
-        num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        CONSUMERS=cfg.consumers, SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
 
 
@@ -392,6 +385,5 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()),
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
         stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, CONSUMERS=cfg.consumers,
-        SNAKE=cfg.snake, OVERLAP=cfg.overlap, ROW_SUM_MMA=cfg.row_sum_mma, num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+        SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )

@@ -191,15 +191,13 @@ def test_fp8_forward_on_gpu_e4m3_inputs_lse_and_short_sequences(backend):
 
 
 PINGPONG = dict(consumers=2, maxnreg=168, consumer_regs=240, pingpong=True, overlap=True)
-ROW_SUM = dict(row_sum_mma=True)  # the row sums as P·1 on the tensor cores
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("p_shared, threshold, tiles", [
     (False, 0.0, {}), (True, 0.0, {}), (False, 2.0, {}), (False, 0.0, PINGPONG), (True, 0.0, PINGPONG),
-    (False, 2.0, PINGPONG), (False, 0.0, ROW_SUM), (True, 0.0, ROW_SUM), (False, 2.0, ROW_SUM)],
-    ids=["serial-registers", "serial-shared", "serial-t2", "pingpong-registers", "pingpong-shared", "pingpong-t2",
-         "row-sum-registers", "row-sum-shared", "row-sum-t2"])
+    (False, 2.0, PINGPONG)], ids=["serial-registers", "serial-shared", "serial-t2", "pingpong-registers",
+                                  "pingpong-shared", "pingpong-t2"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("scale_block", [128, 384])
 def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, tiles, causal, scale_block):

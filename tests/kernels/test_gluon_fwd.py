@@ -51,8 +51,6 @@ OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
     (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
     (dict(snake=1), "GluonConfig.snake must be a bool"),
     (dict(overlap=False), "GluonConfig.overlap=False needs pingpong=False"),
-    (dict(row_sum_mma=True), "GluonConfig.row_sum_mma=True needs overlap=False"),
-    (dict(row_sum_mma=1), "GluonConfig.row_sum_mma must be a bool"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -219,20 +217,13 @@ THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pingpong, overlap, row_sum", [(True, True, False), (False, True, False),
-                                                       (False, False, False), (False, False, True)])
-def test_three_consumer_warpgroups(causal, pingpong, overlap, row_sum):
+@pytest.mark.parametrize("pingpong, overlap", [(True, True), (False, True), (False, False)])
+def test_three_consumer_warpgroups(causal, pingpong, overlap):
     """Work tiles of 3 x 64 query rows (FA3's shape at D 64): the ping-pong turn passes round three warpgroups,
-    every K/V stage waits for three releases, with the intra-warpgroup overlap or each tile in turn (and there the
-    row sums as P·1 on the tensor cores); lengths that leave the last work tile's second or third Q tile wholly
-    past Nq, Nq != Nk both ways, GQA, fp16, a sliding window, varlen through the same kernel."""
-    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, overlap=overlap, row_sum_mma=row_sum,
-                                 **THREE_CONSUMERS)
-    if row_sum:  # D 128's tiles, and O and l rescaled only when a row's max grows by more than 2**8
-        wide = dataclasses.replace(config, rescale_threshold=8.0)
-        _check(*_inputs(1, 1000, 1300, 8, 2, 128, torch.bfloat16, seed=5), causal, config=wide)
-        _check(*_inputs(1, 512, 2048, 4, 4, 128, torch.float16, seed=6, scale=8.0), causal, softmax_scale=0.5,
-               config=wide)
+    every K/V stage waits for three releases, with the intra-warpgroup overlap or each tile in turn; lengths that
+    leave the last work tile's second or third Q tile wholly past Nq, Nq != Nk both ways, GQA, fp16, a sliding
+    window, varlen through the same kernel."""
+    config = dataclasses.replace(gluon_config(64), pingpong=pingpong, overlap=overlap, **THREE_CONSUMERS)
     for n_q, n_k in ((1, 1), (100, 100), (130, 1000), (1950, 1950), (2000, 300), (193, 4096)):
         _check(*_inputs(2, n_q, n_k, 8, 2, 64, torch.bfloat16, seed=n_q * 7 + n_k), causal, config=config)
     _check(*_inputs(1, 777, 777, 4, 4, 64, torch.float16, seed=11), causal, config=config)
