@@ -7,7 +7,8 @@ Causal D 128 and D 64 at N 2k, bf16, B·N 16k: host µs per call (the GPU held b
 `launch_dense` as the dispatch calls it; of `gluon_fwd_kernel[grid](...)` with the arguments built beforehand;
 of the CompiledKernel that call returns, called directly (`compiled[grid](*all_args)`, no binder); of the
 driver launch alone (`compiled.run` with the launch metadata built beforehand); and of torch cuDNN. Each
-direct path's output is compared with the JIT launch's.
+direct path's output is compared with the JIT launch's. Then a cProfile of `launch_dense`: where its host time
+beyond the JIT launch goes.
 
     PYTHONPATH=. python3 lab/launch_cost.py OUT.json   (sm_90 only)
 """
@@ -26,6 +27,24 @@ from ioattn.ops.gluon_forward import BLOCK_M, _descriptor, _grid, gluon_config, 
 def host_us(fn, calls=200):
     """Host microseconds per call, the best of a few rounds with the GPU busy (`host_parts.host_us_rounds`)."""
     return min(host_us_rounds(fn, calls=calls, rounds=5, busy_cycles=400_000_000))
+
+
+def _profile(fn, calls=300) -> str:
+    """cProfile of `calls` calls of `fn` (the GPU busy, launches queueing): the 25 functions of most own time."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda._sleep(2_000_000_000)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
 
 
 def main():
@@ -83,6 +102,8 @@ def main():
             row["host_us"][name] = host_us(fn)
             print(f"D {d} N {n} {name:30s} {row['host_us'][name]:7.1f} us"
                   + (f"  output equal: {row['equal'][name]}" if name in row["equal"] else ""), flush=True)
+        row["profile"] = _profile(parts["launch_dense"])
+        print(row["profile"], flush=True)
         result["rows"].append(row)
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
