@@ -4,12 +4,12 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
+#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 330 s
 #   launch: host µs of the Gluon forward's launch: Triton's JIT dispatch against the compiled kernel called
 #           directly and the driver launch alone (lab/launch_cost.py)                                  <= 60 s
 #   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
-#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 420 s
 #   fp8:    the Gluon fp8 forward's variants (lab/fp8_gluon_variants.py VARIANTS) beside our bf16 forward, the
 #           Triton fp8 kernel and cuDNN (W2 5/7's fp8 bar)                                          <= 150 s
 #   mla-lab: 128 and 16 heads with O stored through the ring's stages beside the direct store; the
@@ -73,12 +73,12 @@ ncu_profile() {
             LaunchStats MemoryWorkloadAnalysis; do sections+=(--section "$c"); done
     for c in d64causal-gluon d64causal-cudnn d128-gluon d128-cudnn fp8-gluon mla128; do
         step "ncu $c (lab/ncu_kernels.py)"
-        timeout 60 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" \
+        timeout 45 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
         echo "ncu exit $?"
         grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Eligible" \
             "$OUT/ncu-$c.txt" | cut -c1-120 | head -24
-        timeout 45 "$ncu" --clock-control none --profile-from-start off --metrics "$pipes" \
+        timeout 25 "$ncu" --clock-control none --profile-from-start off --metrics "$pipes" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-pipes-$c.txt" 2>&1
         echo "ncu pipes exit $?"; grep -E "^  [a-z_0-9]+.*\(|sm__" "$OUT/ncu-pipes-$c.txt" | cut -c1-120 | head -12
     done
@@ -163,10 +163,10 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
+run_part ncu 330 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"
 run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
-run_part ncu 420 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part fp8 150 bash -c "$(declare -f fp8_variants); lab=$lab; fp8_variants"
 run_part mla-lab 130 bash -c "$(declare -f mla_lab); lab=$lab; mla_lab"
 run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"
