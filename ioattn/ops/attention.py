@@ -45,13 +45,11 @@ def _forward(inputs: AttentionInputs, plan: dispatch.Plan, out: torch.Tensor, ls
             torch_backend.attention_forward(inputs, out, lse, *plan.torch_tiles)
         return
     if plan.backend == "gluon":  # the call passed dispatch.gluon_unsupported: unmasked, 16-bit, sm_90
-        from ioattn.ops.gluon_forward import gluon_forward_packed, launch_dense
+        from ioattn.ops.gluon_forward import launch_dense, launch_packed
 
         if inputs.varlen:
-            gluon_forward_packed(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k,
-                                 inputs.max_seqlen_q, window_left=inputs.window_left,
-                                 window_right=inputs.window_right, softmax_scale=inputs.softmax_scale, out=out,
-                                 lse=lse, config=plan.config)
+            launch_packed(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.max_seqlen_q,
+                          inputs.window_left, inputs.window_right, inputs.softmax_scale, out, lse, plan.config)
         else:
             launch_dense(inputs.q, inputs.k, inputs.v, inputs.window_left, inputs.window_right, inputs.softmax_scale,
                          out, lse, plan.config)

@@ -358,12 +358,20 @@ def gluon_forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
                          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, *, window_left: int, window_right: int,
                          softmax_scale: float, out: torch.Tensor, lse: torch.Tensor,
                          config: GluonConfig | None = None) -> None:
-    """The varlen forward through the Gluon kernel, as `flash_attn_varlen_func(..., backend="gluon")` runs it once
-    `checks.validate_varlen` has checked every argument: packed q (total_q, Hq, D), k, v (total_k, Hkv, D),
-    cu_seqlens int32 (B + 1,), windows (-1 unbounded) aligned bottom-right per sequence. Writes out (like q) and
-    lse (Hq, total_q) float32, contiguous."""
+    """The varlen forward through the Gluon kernel: packed q (total_q, Hq, D), k, v (total_k, Hkv, D), cu_seqlens
+    int32 (B + 1,) as `checks.validate_varlen` takes them, windows (-1 unbounded) aligned bottom-right per sequence.
+    Writes out (like q) and lse (Hq, total_q) float32, contiguous. Raises ValueError naming the tensor the kernel
+    cannot take (the public call checks them once, in dispatch, and runs `launch_packed`)."""
+    _check(*(t.unsqueeze(0) for t in (q, k, v, out)))
+    launch_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, window_left, window_right, softmax_scale, out,
+                  lse, config)
+
+
+def launch_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, window_left: int, window_right: int,
+                  softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, config: GluonConfig | None) -> None:
+    """`gluon_forward_packed` once its tensors are checked (`dispatch.gluon_unsupported`; out allocated like q)."""
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (q, k, v, out))  # (1, total, H, D): one TMA batch coordinate
-    _check(q4, k4, v4, out4)
     batch, hq, d = cu_seqlens_q.numel() - 1, q.shape[1], q.shape[2]
     if batch == 0 or q.shape[0] == 0 or hq == 0:
         return
