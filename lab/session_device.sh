@@ -4,7 +4,7 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
-#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 330 s
+#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 300 s
 #   launch: host µs of the Gluon forward's launch: Triton's JIT dispatch against the compiled kernel called
 #           directly and the driver launch alone (lab/launch_cost.py)                                  <= 60 s
 #   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
@@ -71,7 +71,7 @@ ncu_profile() {
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
     for c in SpeedOfLight ComputeWorkloadAnalysis WarpStateStats SchedulerStats InstructionStats Occupancy \
             LaunchStats MemoryWorkloadAnalysis; do sections+=(--section "$c"); done
-    for c in d64causal-gluon d64causal-cudnn d128-gluon d128-cudnn fp8-gluon mla128; do
+    for c in d64causal-gluon d64causal-cudnn fp8-gluon mla128 d128-gluon d128-cudnn; do
         step "ncu $c (lab/ncu_kernels.py)"
         timeout 45 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
@@ -163,7 +163,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
-run_part ncu 330 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
+run_part ncu 300 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"
 run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
