@@ -4,9 +4,9 @@
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
-#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 300 s
 #   launch: host µs of the Gluon forward's launch: Triton's JIT dispatch against the compiled kernel called
 #           directly and the driver launch alone (lab/launch_cost.py)                                  <= 60 s
+#   ncu:    Nsight Compute over the kernels behind the open bars beside cuDNN's (lab/ncu_kernels.py)       <= 300 s
 #   matrix: the GPU layout matrix and the Triton forward/backward kernels' GPU tests                  <= 210 s
 #   tests:  the GPU tests of the Gluon forward (bands of 16, auto dispatch), the fp8 forward (the same kernel) and
 #           the MLA kernels (the seesaw default, O staged through the ring)                              <= 250 s
@@ -163,8 +163,8 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
-run_part ncu 300 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"
+run_part ncu 300 bash -c "$(declare -f ncu_profile); lab=$lab; ncu_profile"
 run_part matrix 210 bash -c "$(declare -f matrix_test_part); lab=$lab; matrix_test_part"
 run_part tests 250 bash -c "$(declare -f gpu_test_part); lab=$lab; gpu_test_part"
 run_part fp8 150 bash -c "$(declare -f fp8_variants); lab=$lab; fp8_variants"
