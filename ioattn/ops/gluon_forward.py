@@ -139,7 +139,8 @@ def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
 
 
 def fp8_gluon_config(head_dim: int) -> GluonConfig:
-    """The fp8 forward's tiles (P through shared memory: GluonConfig.fp8_p_shared)."""
+    """The fp8 forward's tiles (D 128: three serial consumers, P from registers; the others P through shared
+    memory: GluonConfig.fp8_p_shared)."""
     return _FP8_CONFIGS[head_dim]
 
 
