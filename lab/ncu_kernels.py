@@ -51,7 +51,7 @@ def _mla():
     latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     pool, table = latent_pool(latent, 64)
-    workspace = mla_workspace(batch, heads, 512)
+    workspace = mla_workspace(batch, heads, 512, device="cuda")
     return lambda: mla_paged_attention(q, pool, table, lens, v_head_dim=512, softmax_scale=SOFTMAX_SCALE,
                                        workspace=workspace)
 
