@@ -7,6 +7,7 @@ Cases (bf16 unless named; B·N 16k, H·D 2048 as `ioattn bench prefill`):
   d128-gluon / d128-cudnn             unmasked D 128, N 4k, 16 heads (the bf16 side of the fp8 bar)
   fp8-gluon                           the fp8 forward at D 128, N 4k, unmasked (1.28x bf16; bar 1.6x)
   mla128                              the MLA decode, 128 heads, B 64, L 1k, pages of 64 (W2 7/7: 46% of matmul)
+  mla16                               16 heads, the same cache (W2 7/7: 71% of copy; its split combine too)
 
     PYTHONPATH=. ncu --clock-control none --profile-from-start off ... python3 lab/ncu_kernels.py CASE
 """
@@ -42,11 +43,11 @@ def _fp8():
     return lambda: ioattn.flash_attn_fp8_func(q, k, v, causal=False, backend="gluon")
 
 
-def _mla():
+def _mla(heads):
     from ioattn.bench.mla import ROW_DIM, SOFTMAX_SCALE, latent_pool
     from ioattn.ops.mla import mla_paged_attention, mla_workspace
 
-    batch, heads, length = 64, 128, 1024
+    batch, length = 64, 1024
     q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -59,8 +60,8 @@ def _mla():
 def case(name: str):
     if name == "fp8-gluon":
         return _fp8()
-    if name == "mla128":
-        return _mla()
+    if name.startswith("mla"):
+        return _mla(int(name[3:]))
     shape, _, backend = name.partition("-")
     n, heads, d, causal = {"d64causal": (2048, 32, 64, True), "d128": (4096, 16, 128, False)}[shape]
     q, k, v = _qkv(n, heads, d)

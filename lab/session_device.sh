@@ -67,20 +67,18 @@ matrix_test_part() {
 ncu_profile() {
     source "$lab/device_log.sh" ncu.log
     local ncu sections=() c pipes=sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+    pipes+=,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active
     pipes+=,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
     for c in SpeedOfLight ComputeWorkloadAnalysis WarpStateStats SchedulerStats InstructionStats Occupancy \
             LaunchStats MemoryWorkloadAnalysis; do sections+=(--section "$c"); done
-    for c in d64causal-gluon d64causal-cudnn fp8-gluon mla128 d128-gluon d128-cudnn; do
+    for c in d64causal-gluon d64causal-cudnn fp8-gluon d128-gluon d128-cudnn mla128 mla16; do
         step "ncu $c (lab/ncu_kernels.py)"
-        timeout 45 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" \
+        timeout 40 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" --metrics "$pipes" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
         echo "ncu exit $?"
-        grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Eligible" \
-            "$OUT/ncu-$c.txt" | cut -c1-120 | head -24
-        timeout 25 "$ncu" --clock-control none --profile-from-start off --metrics "$pipes" \
-            python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-pipes-$c.txt" 2>&1
-        echo "ncu pipes exit $?"; grep -E "^  [a-z_0-9]+.*\(|sm__" "$OUT/ncu-pipes-$c.txt" | cut -c1-120 | head -12
+        grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Eligible|sm__" \
+            "$OUT/ncu-$c.txt" | cut -c1-120 | head -30
     done
 }
 fp8_variants() {
