@@ -77,7 +77,7 @@ ncu_profile() {
         timeout 40 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" --metrics "$pipes" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
         echo "ncu exit $?"
-        grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Eligible|sm__" \
+        grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Elig|sm__" \
             "$OUT/ncu-$c.txt" | cut -c1-120 | head -30
     done
 }
