@@ -3,9 +3,8 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
-#   chains: 16-head MLA with S as 2 or 4 independent mma.sync sums beside one (lab/gluon_mla.py /c2 /c4) <= 70 s
-#   varlen: GPU tests of the varlen forward's dispatch (launch_packed), three consumer warpgroups and the
-#           Gluon MLA kernel                                                                           <= 170 s
+#   varlen: GPU tests of the forward's dispatch (the varlen call's launch_packed included) and of the Gluon
+#           forward                                                                                    <= 170 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
 #   launch: host µs of the Gluon forward's launch: Triton's JIT dispatch against the compiled kernel called
 #           directly and the driver launch alone (lab/launch_cost.py)                                  <= 60 s
@@ -67,19 +66,11 @@ matrix_test_part() {
     gpu_tests 200 8 gpu-tests.txt tests/kernels/test_kernel_matrix_gpu.py tests/kernels/test_prefill_fwd.py \
         tests/kernels/test_prefill_bwd.py
 }
-mla_chains() {
-    source "$lab/device_log.sh" chains.log
-    step "16 heads: S as 2 or 4 independent mma.sync sums beside one; with half the split count"
-    GLUON_MLA_TRITON=0 GLUON_MLA="64/2/0/1 64/2/0/1/c2 64/2/0/1/c4 64/2/0/1/half 64/2/0/1/c4/half" \
-        GLUON_MLA_HEADS=16 GLUON_MLA_JSON=gluon-mla-h16-chains.json \
-        GLUON_MLA_SHAPES="64x1024 32x4096 8x8192 128x1024 1x65536" timeout 65 python3 lab/gluon_mla.py 2>&1 \
-        | grep -v Warning
-}
 varlen_tests() {
     source "$lab/device_log.sh" varlen.log
-    step "GPU tests: the varlen dispatch (launch_packed), three consumer warpgroups, the Gluon MLA kernel"
+    step "GPU tests: the forward dispatch (the varlen launch_packed included), the Gluon forward"
     gpu_tests 160 8 gpu-tests.txt tests/ops/test_dispatch.py tests/ops/test_attention_fwd.py \
-        tests/kernels/test_gluon_mla.py "tests/kernels/test_gluon_fwd.py::test_three_consumer_warpgroups"
+        tests/kernels/test_gluon_fwd.py
 }
 ncu_profile() {
     source "$lab/device_log.sh" ncu.log
@@ -89,9 +80,10 @@ ncu_profile() {
     ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | tail -1)
     for c in SpeedOfLight ComputeWorkloadAnalysis WarpStateStats SchedulerStats InstructionStats Occupancy \
             LaunchStats MemoryWorkloadAnalysis; do sections+=(--section "$c"); done
-    for c in d64causal-gluon d64causal-cudnn fp8-gluon d128-gluon d128-cudnn mla128 mla16; do
+    for c in ${NCU_CASES:-d64causal-gluon d64causal-cudnn fp8-gluon d128-gluon d128-cudnn mla128 mla16}; do
         step "ncu $c (lab/ncu_kernels.py)"
-        timeout 40 "$ncu" --clock-control none --profile-from-start off "${sections[@]}" --metrics "$pipes" \
+        timeout 40 "$ncu" --clock-control none --profile-from-start off -k "regex:gluon|cudnn|combine" \
+            "${sections[@]}" --metrics "$pipes" \
             python3 lab/ncu_kernels.py "$c" > "$OUT/ncu-$c.txt" 2>&1
         echo "ncu exit $?"
         grep -E "^  [a-z_0-9]+.*\(|Duration|Issue Slots Busy|Executed Ipc Active|No Eligible|One or More Elig|sm__" \
@@ -177,7 +169,6 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
-run_part chains 70 bash -c "$(declare -f mla_chains); lab=$lab; mla_chains"
 run_part varlen 170 bash -c "$(declare -f varlen_tests); lab=$lab; varlen_tests"
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"

@@ -105,7 +105,7 @@ def _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh,
 
 @gluon.jit
 def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, j, tile, seq_len,
-                 scale_log2, mma: gl.constexpr, MASKED: gl.constexpr, CHAINS: gl.constexpr):
+                 scale_log2, mma: gl.constexpr, MASKED: gl.constexpr):
     """One latent tile (ring slot j % STAGES) folded into the running state; MASKED: the tile reaches past
     seq_len (its stale rows are masked in S and zeroed before P·V: they may hold anything, NaN included)."""
     STAGES: gl.constexpr = lat_smem.shape[0]
@@ -116,32 +116,11 @@ def _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, r
     stage = j % STAGES
     mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
     lat = lat_smem.index(stage)
-    # S over LATENT + ROPE columns as CHAINS independent sums of 64-column chunks (chunk c into sum c % CHAINS),
-    # added at the end: one sum is a chain of 36 dependent mma.sync per warp, each waiting out the last's latency
-    s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
-    s1 = s0
-    s2 = s0
-    s3 = s0
-    for c in gl.static_range(LATENT // CHUNK + 1):
-        if c < LATENT // CHUNK:
-            q_c = q_lat.slice(c * CHUNK, CHUNK, dim=1).load(a_operand)
-            k = lat.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)).load(b_operand)
-        else:
-            q_c = q_rope.load(a_operand)
-            k = rope_smem.index(stage).permute((1, 0)).load(b_operand)
-        if c % CHAINS == 0:
-            s0 = mma_v2(q_c, k, s0)
-        elif c % CHAINS == 1:
-            s1 = mma_v2(q_c, k, s1)
-        elif c % CHAINS == 2:
-            s2 = mma_v2(q_c, k, s2)
-        else:
-            s3 = mma_v2(q_c, k, s3)
-    if CHAINS == 4:
-        s0 = (s0 + s1) + (s2 + s3)
-    elif CHAINS == 2:
-        s0 = s0 + s1
-    s = s0 * scale_log2
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+    for c in gl.static_range(LATENT // CHUNK):
+        k = lat.slice(c * CHUNK, CHUNK, dim=1).permute((1, 0)).load(b_operand)
+        s = mma_v2(q_lat.slice(c * CHUNK, CHUNK, dim=1).load(a_operand), k, s)
+    s = mma_v2(q_rope.load(a_operand), rope_smem.index(stage).permute((1, 0)).load(b_operand), s) * scale_log2
     if MASKED:
         keys = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
         s = gl.where(keys[None, :] < seq_len, s, float("-inf"))
@@ -182,7 +161,7 @@ def _store_out(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, s
 @gluon.jit
 def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
               seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-              stride_lh, scale_log2, STAGE_OUT: gl.constexpr, CHAINS: gl.constexpr):
+              stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -199,10 +178,10 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
     full_hi = gl.maximum(gl.minimum(hi, seq_len // BLOCK_N), lo)
     for tile in range(lo, full_hi):
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, scale_log2, mma, False, CHAINS)
+                                        tile - lo, tile, seq_len, scale_log2, mma, False)
     for tile in range(full_hi, hi):  # the last tile, partly past seq_len
         acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
-                                        tile - lo, tile, seq_len, scale_log2, mma, True, CHAINS)
+                                        tile - lo, tile, seq_len, scale_log2, mma, True)
 
     out, lse = finish_rows(acc, m_i, l_tile)
     _store_out(lat_smem, Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M,
@@ -627,7 +606,6 @@ def gluon_mla_decode_kernel(
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
     RELEASE_DEPENDENTS: gl.constexpr = False, SEESAW: gl.constexpr = False, STAGE_OUT: gl.constexpr = False,
-    SCORE_CHAINS: gl.constexpr = 1,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
@@ -635,9 +613,7 @@ def gluon_mla_decode_kernel(
     ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
     float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. RELEASE_DEPENDENTS: see
     `gluon_paged.release_dependents`. SEESAW (WIDE, BLOCK_N 64, STAGES 2; 4 warps, + 4 + 1 in the partitions):
-    the seesaw schedule above, by TMA boxes of 64 columns (rope_desc's). SCORE_CHAINS (1, 2 or 4; 16 heads): S
-    summed as that many independent chains of mma.sync."""
-    gl.static_assert(SCORE_CHAINS == 1 or SCORE_CHAINS == 2 or SCORE_CHAINS == 4, "SCORE_CHAINS takes 1, 2 or 4")
+    the seesaw schedule above, by TMA boxes of 64 columns (rope_desc's)."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     HEADS: gl.constexpr = WIDE_HEADS if WIDE else BLOCK_M
@@ -680,6 +656,6 @@ def gluon_mla_decode_kernel(
             gl.warp_specialize([(_consumer, (
                 Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len,
                 lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                stride_lh, scale_log2, STAGE_OUT, SCORE_CHAINS)), (_producer, (
+                stride_lh, scale_log2, STAGE_OUT)), (_producer, (
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
                 [1], [PRODUCER_REGS])

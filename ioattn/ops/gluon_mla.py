@@ -95,6 +95,5 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
         RELEASE_DEPENDENTS=release_dependents, SEESAW=config.seesaw, STAGE_OUT=config.stage_out,
-        SCORE_CHAINS=config.score_chains,
         num_warps=4 if config.seesaw else config.num_warps, maxnreg=config.maxnreg,  # seesaw: 4 + 4 in partitions
     )

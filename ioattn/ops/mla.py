@@ -56,7 +56,6 @@ class MLAConfig:
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
     seesaw: bool = False  # kernel "gluon" at 64 heads: the two warpgroups on two tiles at once (FlashMLA's schedule)
     stage_out: bool = False  # kernel "gluon" at 64 heads: O stored through the ring's stages, whole rows per warp
-    score_chains: int = 1  # kernel "gluon" at 16 heads: S summed as this many independent mma.sync chains (1, 2, 4)
 
     def __post_init__(self):
         check_launch_config(self)
@@ -68,11 +67,6 @@ class MLAConfig:
                 raise ValueError(f"MLAConfig.{name} must be a bool, got {value!r}")
             if value and self.kernel != "gluon":
                 raise ValueError(f"MLAConfig.{name} is an option of kernel='gluon', got kernel={self.kernel!r}")
-        if type(self.score_chains) is not int or self.score_chains not in (1, 2, 4):
-            raise ValueError(f"MLAConfig.score_chains must be 1, 2 or 4, got {self.score_chains!r}")
-        if self.score_chains != 1 and (self.kernel, self.block_h) != ("gluon", 16):
-            raise ValueError("MLAConfig.score_chains is an option of kernel='gluon' at block_h=16, got "
-                             f"kernel={self.kernel!r}, block_h={self.block_h}")
 
 
 def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decode: bool) -> MLAConfig:

@@ -25,19 +25,18 @@ from ioattn.reference import TOLERANCE, lse_error, rel_error
 _AOT_SCRIPT = """
 import json, sys
 import aot
-for block_n, stages, page, maxnreg, cache, wide, seesaw, staged, chains in json.loads(sys.argv[1]):
+for block_n, stages, page, maxnreg, cache, wide, seesaw, staged in json.loads(sys.argv[1]):
     kernel = aot.gluon_mla_kernel(block_n, stages, page, maxnreg, cache, wide=wide, release=wide, seesaw=seesaw,
-                                  stage_out=staged, score_chains=chains)
+                                  stage_out=staged)
     ptx = kernel.asm["ptx"]
-    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, seesaw, staged, chains],
+    print(json.dumps(dict(case=[block_n, stages, page, maxnreg, cache, wide, seesaw, staged],
                           cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           release=ptx.count("griddepcontrol.launch_dependents"),
                           setmaxnreg=ptx.count("setmaxnreg"), tma=ptx.count("cp.async.bulk.tensor"),
                           vector_stores=ptx.count("st.global.v2") + ptx.count("st.global.v4"),
                           row_stores=ptx.count("st.global.v4"),
-                          mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"),
-                          sass_mma=aot.sass_opcodes(kernel)["HMMA"])))
+                          mma=ptx.count("wgmma.mma_async" if wide else "mma.sync"))))
 """
 
 DEFAULT = GLUON_MLA_DEFAULTS[(16, 512)]  # 64-key tiles on mma.sync
@@ -53,10 +52,7 @@ GLUON = dict(default=DEFAULT,
              staged=dataclasses.replace(DEFAULT, stage_out=True),
              wgmma_direct=dataclasses.replace(GLUON_MLA_DEFAULTS[(128, 512)], stage_out=False),
              seesaw_staged=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
-                                     seesaw=True, stage_out=True),
-             # S as independent mma.sync sums (16 heads)
-             chains2=dataclasses.replace(DEFAULT, score_chains=2),
-             chains4=dataclasses.replace(DEFAULT, score_chains=4))
+                                     seesaw=True, stage_out=True))
 
 
 def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measured():
@@ -70,8 +66,6 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
              (64, 2, 64, None, "bf16", True, True, False): 344, (64, 2, 16, None, "fp16", True, True, False): 360,
              (64, 2, 64, None, "bf16", True, False, True): 96, (64, 2, 64, None, "bf16", True, True, True): 336,
              (64, 2, 64, None, "bf16", False, False, True): 8}
-    cases = {(*case, 1): stack for case, stack in cases.items()}
-    cases[(64, 2, 64, None, "bf16", False, False, False, 4)] = 8  # S as four sums: the same mma.sync, 8 chains
     builds = build_records(_AOT_SCRIPT, json.dumps([list(c) for c in cases]))
     assert [tuple(b["case"]) for b in builds] == list(cases)
     for b in builds:
@@ -83,9 +77,6 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
         assert b["release"] == int(b["case"][5]), b  # the wide builds let the split combine start early
         assert b["vector_stores"] > 0, b  # O two values per store: its base offsets are specialised as aligned
         assert (b["row_stores"] > 0) == b["case"][7], b  # staged: 16 bytes per thread, whole rows per warp
-    sass_mma = {tuple(b["case"]): b["sass_mma"] for b in builds}
-    assert sass_mma[(64, 2, 64, None, "bf16", False, False, False, 4)] == sass_mma[(64, 2, 64, None, "bf16", False,
-                                                                                      False, False, 1)]
     from ioattn.kernels.gluon_mla import gluon_mla_decode_kernel
 
     assert "stride_os" not in gluon_mla_decode_kernel.do_not_specialize
@@ -99,12 +90,6 @@ def test_kernel_field_is_checked():
             MLAConfig(**{name: True})
         with pytest.raises(ValueError, match=f"MLAConfig.{name} must be a bool"):
             MLAConfig(kernel="gluon", **{name: 1})
-    for chains in (0, 3, 8, True, 2.0):
-        with pytest.raises(ValueError, match="MLAConfig.score_chains must be 1, 2 or 4"):
-            MLAConfig(kernel="gluon", score_chains=chains)
-    for change in (dict(kernel="triton"), dict(block_h=64, block_m=64)):
-        with pytest.raises(ValueError, match="score_chains is an option of kernel='gluon' at block_h=16"):
-            MLAConfig(**{**dict(kernel="gluon", block_m=16, score_chains=4), **change})
 
 
 def _decode_call(**change):
@@ -208,9 +193,6 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.float16, 40, 16, "wgmma_direct"),
     (torch.bfloat16, 128, 64, "seesaw_staged"),
     (torch.float16, 72, 16, "seesaw_staged"),
-    (torch.bfloat16, 16, 64, "chains2"),
-    (torch.bfloat16, 40, 64, "chains4"),
-    (torch.float16, 16, 16, "chains4"),
 ])
 def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
     for splits in (1, 3, 0):
