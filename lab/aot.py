@@ -159,7 +159,11 @@ def gluon_forward_kernel(head_dim, causal, dtype="bf16", stages=None, block_n=No
                       STAGES=stages, RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong,
                       CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs,
                       SEPARATE_O=separate_o(head_dim, cfg, 2, fp8), VARLEN=varlen, BAND=cfg.band,
-                      P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap)
+                      P_SHARED=fp8 and cfg.fp8_p_shared, OVERLAP=cfg.overlap, DYNAMIC=cfg.dynamic)
+    if cfg.dynamic:
+        types.update(Tile_counter="*i32")
+    else:
+        constexprs.update(Tile_counter=None)
     if varlen:
         types.update(Cu_seqlens_q="*i32", Cu_seqlens_k="*i32", O=f"*{name}")
     else:

@@ -3,6 +3,8 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
+#   dynamic: the Gluon forward's dynamic schedule (GluonConfig.dynamic): its GPU tests, then causal D 64/128/256
+#           and unmasked D 64/128 at N 2k-4k beside the static schedule and cuDNN                        <= 260 s
 #   varlen: GPU tests of the forward's dispatch (the varlen call's launch_packed included) and of the Gluon
 #           forward                                                                                    <= 170 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
@@ -65,6 +67,19 @@ matrix_test_part() {
     step "GPU tests: the layout matrix (its gradient cases' helper fixed in 70a1ca0), the forward and backward kernels"
     gpu_tests 200 8 gpu-tests.txt tests/kernels/test_kernel_matrix_gpu.py tests/kernels/test_prefill_fwd.py \
         tests/kernels/test_prefill_bwd.py
+}
+dynamic_schedule() {
+    source "$lab/device_log.sh" dynamic.log
+    step "GPU tests of the dynamic schedule"
+    gpu_tests 90 6 gpu-tests.txt tests/kernels/test_gluon_fwd.py -k "dynamic or persistent_grid"
+    step "causal: the dynamic schedule (bands of 16 and of 4) beside the static one (snake order) and cuDNN"
+    OUT=$OUT/causal timeout 120 python3 lab/gluon_fwd_bench.py --head-dims 64,128,256 --causal yes \
+        --variant "dyn:dynamic=true,snake=false" --variant "dyn4:dynamic=true,snake=false,band=4" \
+        --only gluon,gluon-dyn,gluon-dyn4,torch-cudnn --budget-s 100 2>&1 | grep -v Warning | cut -c1-200
+    step "unmasked, N 2k-4k: the dynamic schedule beside the static one and cuDNN"
+    OUT=$OUT/full timeout 45 python3 lab/gluon_fwd_bench.py --head-dims 64,128 --causal no --seqlens 2048,4096 \
+        --variant "dyn:dynamic=true" --only gluon,gluon-dyn,torch-cudnn --budget-s 35 2>&1 | grep -v Warning \
+        | cut -c1-200
 }
 varlen_tests() {
     source "$lab/device_log.sh" varlen.log
@@ -169,6 +184,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
+run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
 run_part varlen 170 bash -c "$(declare -f varlen_tests); lab=$lab; varlen_tests"
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"

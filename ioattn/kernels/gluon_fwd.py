@@ -102,10 +102,36 @@ def _snake(tile, total):
 
 
 @gluon.jit
+def _next_tile(k, counter, DYNAMIC: gl.constexpr):
+    """The producer's next work tile after tile k: static, k + num_programs; DYNAMIC, the next one no program has
+    taken (a launch-wide counter from 0, after the first num_programs tiles, which the programs take by id)."""
+    following = k + gl.num_programs(0)
+    if DYNAMIC:
+        following = gl.atomic_add(counter, 1, sem="relaxed") + gl.num_programs(0)
+    return following
+
+
+@gluon.jit
+def _publish_tile(slots, c: gl.constexpr, tile):
+    """The producer's work tile for consumer c, read once its Q-ready barrier completes (the producer's arrive on
+    it follows a warp barrier, which orders this store before it)."""
+    slots.index(c).store(gl.full([1], tile, gl.int32, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+
+@gluon.jit
+def _read_tile(slots, c: gl.constexpr, q_ready, t_local):
+    """Consumer c's next work tile under DYNAMIC (the producer's count of work tiles past the last: no more work):
+    it waits for that tile's Q-ready barrier, which the producer completes after publishing the tile."""
+    mbarrier.wait(q_ready.index(c), t_local & 1)
+    return gl.max(slots.index(c).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks, n_q,
-              n_k, window_left, window_right, seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr,
-              VARLEN: gl.constexpr, BAND: gl.constexpr, SNAKE: gl.constexpr):
+              n_k, window_left, window_right, seqs, schedule, LEFT: gl.constexpr, RIGHT: gl.constexpr,
+              VARLEN: gl.constexpr, BAND: gl.constexpr, SNAKE: gl.constexpr, DYNAMIC: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
+    counter, slots = schedule
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -115,9 +141,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
     FP8: gl.constexpr = k_smem.dtype.primitive_bitwidth == 8  # then V is transposed: [STAGES, D, BLOCK_N]
     it = 0  # K/V tiles loaded so far: the ring's position and phase
     t_local = 0  # work tiles of this program so far: the Q barriers' phase
-    for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
+    total = batch_heads * n_m_blocks
+    k = gl.program_id(0)
+    while k < total:
+        tile = k
         if SNAKE:
-            tile = _snake(tile, batch_heads * n_m_blocks)
+            tile = _snake(k, total)
         batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
         seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
         if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
@@ -126,6 +155,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
                 # a box wholly past the end of Q loads zeros (varlen: the next sequence's rows, never stored): every
                 # work tile loads, waits and frees both Q tiles
                 mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
+                if DYNAMIC:
+                    _publish_tile(slots, c, k)
                 mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [seq_batch, q_start + m_start + c * BLOCK_M, head, 0],
                                                 q_ready.index(c), q_smem.index(c).reshape(box_q))
@@ -150,6 +181,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
                                                     v_ready.index(stage), v_smem.index(stage).reshape(box_kv))
                 it += 1
             t_local += 1
+        k = _next_tile(k, counter, DYNAMIC)
+    if DYNAMIC:  # no more work: each consumer reads `total` as its next tile
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
+            _publish_tile(slots, c, total)
+            mbarrier.arrive(q_ready.index(c), count=1)
 
 
 @gluon.jit
@@ -406,10 +443,11 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
 @gluon.jit
 def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group,
               batch_heads, n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales,
-              seqs, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
+              seqs, schedule, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
               PINGPONG: gl.constexpr, SEPARATE_O: gl.constexpr, VARLEN: gl.constexpr, BAND: gl.constexpr,
-              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr):
+              SNAKE: gl.constexpr, P_SHARED: gl.constexpr, OVERLAP: gl.constexpr, DYNAMIC: gl.constexpr):
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns = bars
+    counter, slots = schedule
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_M: gl.constexpr = q_smem.shape[1]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -450,9 +488,14 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
 
     it = 0  # K/V tiles of the ring passed so far (as the producer counts them)
     t_local = 0  # work tiles of this program so far; each took it + 1 ping-pong turns
-    for tile in range(gl.program_id(0), batch_heads * n_m_blocks, gl.num_programs(0)):
+    total = batch_heads * n_m_blocks
+    k = gl.program_id(0)
+    if DYNAMIC:
+        k = _read_tile(slots, c, q_ready, t_local)
+    while k < total:
+        tile = k
         if SNAKE:
-            tile = _snake(tile, batch_heads * n_m_blocks)
+            tile = _snake(k, total)
         batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
         seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
         if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
@@ -650,6 +693,10 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                 mbarrier.arrive(q_empty.index(c), count=1)
             it += n_all
             t_local += 1
+        if DYNAMIC:
+            k = _read_tile(slots, c, q_ready, t_local)
+        else:
+            k += gl.num_programs(0)
     tma.store_wait(0)
 
 
@@ -665,7 +712,8 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
                      scale_block=1, scale_blocks_q=1, scale_tiles_k=1, Cu_seqlens_q=None, Cu_seqlens_k=None, O=None,
                      stride_o_row=0, stride_o_head=0, lse_stride=0, VARLEN: gl.constexpr = False,
                      BAND: gl.constexpr = 1, CONSUMERS: gl.constexpr = 2, SNAKE: gl.constexpr = False,
-                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True):
+                     P_SHARED: gl.constexpr = False, OVERLAP: gl.constexpr = True, Tile_counter=None,
+                     DYNAMIC: gl.constexpr = False):
     """Grid: (programs,), any number up to batch_heads x n_m_blocks work tiles (batch_heads = B * Hq, n_m_blocks =
     cdiv(Nq, CONSUMERS * BLOCK_M)). q/o descriptors: boxes [1, BLOCK_M, 1, D]; k/v: [1, BLOCK_N, 1, D]. LSE: float32
     (B, Hq, Nq) contiguous. qk_scale_log2 = softmax_scale * log2(e) (> 0). LEFT / RIGHT: the window's sides that
@@ -678,7 +726,11 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     `scale_block` query rows; K_scale and V_scale (B, Hkv, scale_tiles_k) float32 contiguous, one scale per
     BLOCK_N-key tile. P_SHARED: P goes to the P·V wgmma through shared memory; else from registers with V's keys
     permuted in groups of 16 (`_fp8_operand`). OVERLAP: tile j + 1's S wgmma runs beside tile j's softmax and P·V
-    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong."""
+    (FA3's intra-warpgroup overlap); else each tile in turn (`_serial_key_loop`), without ping-pong. DYNAMIC:
+    after its first work tile (its program id) a program's producer takes the next one no program has taken, by
+    an atomic add on Tile_counter (int32, 0 at launch), and hands it to the consumers through shared memory (the
+    tiles go in `_tile_coords` order; not with SNAKE)."""
+    gl.static_assert(not (DYNAMIC and SNAKE), "DYNAMIC takes the work tiles in order: no SNAKE")
     gl.static_assert(OVERLAP or not PINGPONG, "ping-pong takes turns by the overlapped loop's slots")
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[1]
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
@@ -725,6 +777,11 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turns)
+    if DYNAMIC:  # each consumer's next work tile, from the producer
+        slots = gl.allocate_shared_memory(gl.int32, [CONSUMERS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        schedule = (Tile_counter, slots)
+    else:
+        schedule = (LSE, q_ready)  # unread
     if VARLEN:
         seqs = (Cu_seqlens_q, Cu_seqlens_k, O, stride_o_row, stride_o_head, lse_stride)
     else:
@@ -736,25 +793,32 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_q, n_k, n_heads, gro
     if CONSUMERS == 2:
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, schedule, LEFT,
+                         RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         DYNAMIC)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, schedule, LEFT,
+                         RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         DYNAMIC)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
-                         n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
+                         n_q, n_k, window_left, window_right, seqs, schedule, LEFT, RIGHT, VARLEN, BAND, SNAKE,
+                         DYNAMIC)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_consumer, (0, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, schedule, LEFT,
+                         RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         DYNAMIC)),
             (_consumer, (1, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, schedule, LEFT,
+                         RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         DYNAMIC)),
             (_consumer, (2, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers, bars, LSE, n_heads, group, batch_heads,
-                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, LEFT, RIGHT,
-                         RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP)),
+                         n_m_blocks, n_q, n_k, window_left, window_right, qk_scale_log2, scales, seqs, schedule, LEFT,
+                         RIGHT, RESCALE_THRESHOLD, PINGPONG, SEPARATE_O, VARLEN, BAND, SNAKE, P_SHARED, OVERLAP,
+                         DYNAMIC)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, group, batch_heads, n_m_blocks,
-                         n_q, n_k, window_left, window_right, seqs, LEFT, RIGHT, VARLEN, BAND, SNAKE)),
+                         n_q, n_k, window_left, window_right, seqs, schedule, LEFT, RIGHT, VARLEN, BAND, SNAKE,
+                         DYNAMIC)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])

@@ -55,6 +55,9 @@ class GluonConfig:
     # beside O). Without it (the kernel's _serial_key_loop) each tile runs in turn and the consumers take no turns:
     # the registers of three consumer warpgroups hold the fp8 forward's fresh P·V accumulator at D 128
     overlap: bool = True
+    # the persistent loop's order at run time: after its first work tile each program takes the next one no program
+    # has taken (an atomic counter, zeroed per launch), so that programs whose tiles ran slow take fewer
+    dynamic: bool = False
 
     def __post_init__(self):
         check_launch_config(self)
@@ -71,6 +74,9 @@ class GluonConfig:
             raise ValueError(f"GluonConfig.consumers must be 2 or 3 (consumer warpgroups), got {self.consumers!r}")
         if not self.overlap and self.pingpong:
             raise ValueError("GluonConfig.overlap=False needs pingpong=False (the turns follow the overlapped loop)")
+        if self.dynamic and (self.snake or not self.persistent):
+            raise ValueError("GluonConfig.dynamic takes the work tiles in order on a persistent grid: it needs "
+                             f"snake=False and persistent=True, got snake={self.snake}, persistent={self.persistent}")
         if not (whole(self.band) and self.band >= 1):
             raise ValueError(f"GluonConfig.band must be an int >= 1 (query blocks per band), got {self.band!r}")
 
@@ -129,6 +135,13 @@ def _sm_count(device_index: int) -> int:
 def _grid(cfg: GluonConfig, device: torch.device, work_tiles: int) -> tuple[int]:
     """Persistent: one program per SM (168 registers x 384 threads fill one), else one per work tile."""
     return (min(work_tiles, _sm_count(device.index)) if cfg.persistent else work_tiles,)
+
+
+def _schedule(cfg: GluonConfig, device: torch.device) -> dict:
+    """The launch's arguments for the work tiles' schedule: the dynamic one's tile counter (none for static)."""
+    if not cfg.dynamic:
+        return {}
+    return dict(Tile_counter=torch.zeros(1, dtype=torch.int32, device=device), DYNAMIC=True)
 
 
 def gluon_config(head_dim: int, masked: bool = False) -> GluonConfig:
@@ -293,6 +306,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
         PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs, PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=True,
         BAND=cfg.band, CONSUMERS=cfg.consumers, SNAKE=cfg.snake, P_SHARED=cfg.fp8_p_shared, OVERLAP=cfg.overlap,
+        **_schedule(cfg, q.device),
         Q_scale=q_scale, K_scale=k_scale, V_scale=v_scale, scale_block=block, scale_blocks_q=q_scale.shape[-1],
         scale_tiles_k=k_scale.shape[-1], num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
     )
@@ -352,6 +366,7 @@ def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left:
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
         CONSUMERS=cfg.consumers, SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        **_schedule(cfg, q.device),
     )
 
 
@@ -395,4 +410,5 @@ def launch_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         Cu_seqlens_q=cu_seqlens_q, Cu_seqlens_k=cu_seqlens_k, O=out, stride_o_row=out.stride(0),
         stride_o_head=out.stride(1), lse_stride=lse.stride(0), VARLEN=True, BAND=cfg.band, CONSUMERS=cfg.consumers,
         SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        **_schedule(cfg, q.device),
     )

@@ -30,11 +30,13 @@ for head_dim, causal, dtype, override in json.loads(sys.argv[1]):
     print(json.dumps(dict(case=[head_dim, causal, dtype], cubin=kernel.asm["cubin"][:4].hex(),
                           resources=aot.resources(kernel), shared=kernel.metadata.shared,
                           setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"),
-                          wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), loops=aot.matmul_loops(kernel))))
+                          wgmma=kernel.asm["ptx"].count("wgmma.mma_async"), loops=aot.matmul_loops(kernel),
+                          atomics=kernel.asm["ptx"].count("atom.global"))))
 """
 PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
 OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
-             "fp8-pingpong-registers": {**PINGPONG, "fp8_p_shared": False}}
+             "fp8-pingpong-registers": {**PINGPONG, "fp8_p_shared": False},
+             "dynamic": {"dynamic": True, "snake": False}}
 
 @pytest.mark.parametrize("change, why", [
     (dict(band=0), "GluonConfig.band must be an int >= 1"),
@@ -51,6 +53,9 @@ OVERRIDES = {"fp8-pingpong": {**PINGPONG, "fp8_p_shared": True},
     (dict(consumers=True), "GluonConfig.consumers must be 2 or 3"),
     (dict(snake=1), "GluonConfig.snake must be a bool"),
     (dict(overlap=False), "GluonConfig.overlap=False needs pingpong=False"),
+    (dict(dynamic=True, snake=True), "GluonConfig.dynamic takes the work tiles in order on a persistent grid"),
+    (dict(dynamic=True, persistent=False), "GluonConfig.dynamic takes the work tiles in order on a persistent grid"),
+    (dict(dynamic=1), "GluonConfig.dynamic must be a bool"),
 ])
 def test_config_fields_are_checked_when_built(change, why):
     with pytest.raises(ValueError, match=re.escape(why)):
@@ -62,7 +67,7 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
     cases = [[64, False, "bf16"], [64, True, "bf16"], [128, False, "bf16"], [128, True, "bf16"],
              [256, True, "bf16"], [128, False, "fp8"], [128, True, "fp8"], [128, False, "fp8-pingpong"],
              [128, True, "fp8-pingpong"], [128, False, "fp8-pingpong-registers"], [128, False, "window"],
-             [128, True, "varlen"], [64, True, "window"]]
+             [128, True, "varlen"], [64, True, "window"], [64, True, "dynamic"], [128, True, "dynamic"]]
     builds = build_records(_AOT_SCRIPT, json.dumps([[*case, OVERRIDES.get(case[2], {})] for case in cases]))
     assert [b["case"] for b in builds] == cases
     for b in builds:
@@ -74,6 +79,7 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
         assert b["cubin"] == "7f454c46", b  # an ELF image
         assert b["setmaxnreg"] > 0 and b["wgmma"] > 0, b  # partitions re-balance registers; tensor-core matmuls
         assert b["shared"] <= 227 * 1024, b
+        assert (b["atomics"] > 0) == (dtype == "dynamic"), b  # the dynamic schedule's tile counter only
         # the K/V loop issues S = Q·Kᵀ (head_dim / k_step wgmmas) and P·V (block_n / k_step): copies without a
         # score mask and with one in each consumer. The per-work-tile state of the persistent loop may spill a
         # little (measured up to 152 bytes, fp8 causal), paid once per work tile
@@ -212,6 +218,59 @@ def test_persistent_grid_walks_many_work_tiles_per_program(d, causal):
 
 
 THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, stages=4)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_dynamic_schedule_computes_every_tile_once_and_matches_the_static_one_bitwise(d, causal):
+    """GluonConfig(dynamic=True): the programs take work tiles from a launch-wide counter and hand them to their
+    consumers through shared memory. Each tile is computed whole by one program whichever it is, so the output
+    equals the static schedule's bit for bit; ~3 tiles per SM of mixed causal lengths, fewer tiles than SMs, two
+    and three consumer warpgroups, bands, a window, packed sequences (whose empty query blocks the producer skips
+    without handing them over), repeated calls and a CUDA graph replayed on new inputs (the counter is zeroed by
+    each launch's own memset)."""
+    static = dataclasses.replace(gluon_config(d, masked=causal), snake=False)
+    configs = [dataclasses.replace(static, dynamic=True), dataclasses.replace(static, dynamic=True, band=3)]
+    if d == 64:
+        configs.append(dataclasses.replace(static, dynamic=True, pingpong=False, overlap=False, **THREE_CONSUMERS))
+    for n_q, n_k, heads in ((1950, 3000 if causal else 1950, (16, 4)), (100, 700, (2, 2))):
+        q, k, v = _inputs(2, n_q, n_k, *heads, d, torch.bfloat16, seed=d + n_q + causal)
+        for config in configs:
+            expected = gluon_forward(q, k, v, causal=causal, config=dataclasses.replace(config, dynamic=False))
+            for _ in range(2):
+                got = gluon_forward(q, k, v, causal=causal, out=torch.full_like(q, float("nan")), config=config)
+                assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), config
+        _check(q, k, v, causal, config=configs[0])
+    q, k, v = _inputs(1, 700, 900, 4, 2, d, torch.bfloat16, seed=12)
+    _check(q, k, v, False, window_size=(100, 37), config=configs[0])
+
+    lens_q, lens_k = [200, 1, 0, 383, 0, 1000], [300, 64, 50, 383, 10, 1000]
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(lens)], device="cuda", dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    q, k, v = (torch.randn(sum(lens), 4, d, device="cuda", dtype=torch.bfloat16) for lens in (lens_q, lens_k, lens_k))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.empty(4, q.shape[0], device="cuda", dtype=torch.float32)
+    gluon_forward_packed(q, k, v, cu_q, cu_k, max(lens_q), window_left=-1, window_right=0 if causal else -1,
+                         softmax_scale=d ** -0.5, out=out, lse=lse, config=configs[0])
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3
+
+    q, k, v = _inputs(2, 1000, 1000, 8, 8, d, torch.bfloat16, seed=5)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    gluon_forward(q, k, v, causal=causal, out=out, config=configs[0])  # compiled outside the capture
+    with torch.cuda.graph(graph):
+        gluon_forward(q, k, v, causal=causal, out=out, config=configs[0])
+    for seed in (6, 7):
+        for t, fresh in zip((q, k, v), _inputs(2, 1000, 1000, 8, 8, d, torch.bfloat16, seed=seed)):
+            t.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = attention_ref(q, k, v, causal=causal)
+        assert rel_error(out, ref) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.gpu
