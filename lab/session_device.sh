@@ -5,6 +5,7 @@
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   dynamic: the Gluon forward's dynamic schedule (GluonConfig.dynamic): its GPU tests, then causal D 64/128/256
 #           and unmasked D 64/128 at N 2k-4k beside the static schedule and cuDNN                        <= 260 s
+#   combine: 16-head MLA at one and eight sequences (split combine in column blocks of 128)            <= 40 s
 #   varlen: GPU tests of the forward's dispatch (the varlen call's launch_packed included) and of the Gluon
 #           forward                                                                                    <= 170 s
 #   gap:    causal N 2k: the public call beside the Gluon forward called directly and cuDNN (lab/harness_gap.py) <= 90 s
@@ -80,6 +81,12 @@ dynamic_schedule() {
     OUT=$OUT/full timeout 45 python3 lab/gluon_fwd_bench.py --head-dims 64,128 --causal no --seqlens 2048,4096 \
         --variant "dyn:dynamic=true" --only gluon,gluon-dyn,torch-cudnn --budget-s 35 2>&1 | grep -v Warning \
         | cut -c1-200
+}
+combine_blocks() {
+    source "$lab/device_log.sh" combine.log
+    step "16 heads, many splits: the split combine in column blocks of 128 (COMBINE_COLUMNS)"
+    GLUON_MLA_TRITON=0 GLUON_MLA="64/2/0/1" GLUON_MLA_HEADS=16 GLUON_MLA_JSON=gluon-mla-h16-combine.json \
+        GLUON_MLA_SHAPES="1x65536 1x32768 8x8192 64x1024" timeout 35 python3 lab/gluon_mla.py 2>&1 | grep -v Warning
 }
 varlen_tests() {
     source "$lab/device_log.sh" varlen.log
@@ -185,6 +192,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
+run_part combine 40 bash -c "$(declare -f combine_blocks); lab=$lab; combine_blocks"
 run_part varlen 170 bash -c "$(declare -f varlen_tests); lab=$lab; varlen_tests"
 run_part gap 90 bash -c "$(declare -f harness_gap); lab=$lab; harness_gap"
 run_part launch 60 bash -c "$(declare -f launch_cost); lab=$lab; launch_cost"

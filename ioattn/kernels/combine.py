@@ -34,7 +34,9 @@ def combine_splits_kernel(
     stride_ot, stride_oh, stride_lt, stride_lh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, AFTER_PRIMARY: tl.constexpr = False,
 ):
-    """Grid (tokens, heads). Partials [split, token, head, (D)] in float32 -> Out [token, head, D], Lse [token, head].
+    """Grid (tokens, heads, cdiv(HEAD_DIM, BLOCK_D)): columns of BLOCK_D per program, so that many splits of a
+    wide head (MLA's 512 at one sequence) spread over the SMs. Partials [split, token, head, (D)] in float32 ->
+    Out [token, head, D], Lse [token, head] (stored by each head's first column block).
 
     AFTER_PRIMARY: launched by programmatic dependent launch while the split kernel still runs (sm_90+); the
     programs wait here until it has finished and its partials are visible."""
@@ -42,8 +44,9 @@ def combine_splits_kernel(
         gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    column_block = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
     lse = tl.load(Partial_lse + offs_s * stride_qs + token * stride_qt + head * stride_qh,
@@ -52,7 +55,8 @@ def combine_splits_kernel(
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     merged, merged_lse = _merge(lse, o)
     tl.store(Out + token * stride_ot + head * stride_oh + offs_d, merged.to(Out.dtype.element_ty), mask=d_ok)
-    tl.store(Lse + token * stride_lt + head * stride_lh, merged_lse)
+    if column_block == 0:
+        tl.store(Lse + token * stride_lt + head * stride_lh, merged_lse)
 
 
 @triton.jit

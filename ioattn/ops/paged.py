@@ -48,6 +48,9 @@ from ioattn.ops.paged_checks import (
 PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 64
+# Columns of the head per split-combine program: a 512-wide MLA head at one sequence and 64 splits is a 128 KB
+# float32 block for one program (16 programs at 16 heads); in blocks of 128 columns four programs share it.
+COMBINE_COLUMNS = 128
 
 # Multi-token calls gather their context and run the dense varlen forward once the mean query tokens per sequence
 # times the GQA group reach this: the gather's cost then falls under the page gathers it saves.
@@ -544,12 +547,13 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
                    dependent: bool) -> None:
     """The exact LSE merge of split partials into out / lse; dependent: by programmatic dependent launch."""
     splits, num_tokens, num_heads, head_dim = part_out.shape
-    combine_splits_kernel[(num_tokens, num_heads)](
+    block_d = min(next_power_of_2(head_dim), COMBINE_COLUMNS)
+    combine_splits_kernel[(num_tokens, num_heads, cdiv(head_dim, block_d))](
         part_out, part_lse, out, lse, splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_power_of_2(splits),
         AFTER_PRIMARY=dependent, **({"launch_pdl": True} if dependent else {}),
     )
 

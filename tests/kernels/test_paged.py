@@ -238,6 +238,30 @@ def test_merge_states_matches_reference_over_the_union(device):
     assert lse_error(lse, ref_lse[:, :, 0]) < 1e-5
 
 
+@pytest.mark.parametrize("splits, head_dim", [(64, 512), (3, 136), (5, 40)])
+def test_split_combine_over_column_blocks(device, splits, head_dim):
+    # Heads wider than COMBINE_COLUMNS go out in column blocks (512: four; 136: 128 + 8 masked); each block merges
+    # the same splits, the first stores LSE. Empty splits (lse -inf, output NaN) weigh nothing; a row whose splits
+    # are all empty gives 0 and -inf.
+    from ioattn.ops.paged import combine_splits
+
+    tokens, heads = 2, 3
+    part_out = torch.randn(splits, tokens, heads, head_dim, device=device)
+    part_lse = torch.randn(splits, tokens, heads, device=device) * 4
+    part_lse[1::2, 0] = float("-inf")
+    part_out[1::2, 0] = float("nan")
+    part_lse[:, 1, 2] = float("-inf")
+    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((tokens, heads), float("nan"), device=device)
+    combine_splits(part_out, part_lse, out, lse, dependent=False)
+    weight = torch.softmax(part_lse.double(), 0).nan_to_num(0.0)
+    expected = (torch.where(weight[..., None] > 0, part_out.double(), 0.0) * weight[..., None]).sum(0)
+    expected_lse = torch.logsumexp(part_lse.double(), 0)
+    assert rel_error(out, expected) < TOLERANCE[torch.bfloat16]
+    assert lse_error(lse, expected_lse) < 1e-5 and torch.isneginf(lse[1, 2])
+    assert torch.equal(out[1, 2], torch.zeros_like(out[1, 2]))
+
+
 def test_merge_states_empty_sides_never_nan(device):
     o_a = torch.randn(2, 3, 40, device=device)
     o_b = torch.full_like(o_a, float("nan"))  # an empty side's output is garbage and must be ignored
