@@ -2,7 +2,8 @@
 
 A work tile is CONSUMERS x BLOCK_M query rows of one (batch, head). The grid is persistent: each program walks the
 work tiles tile = program_id, + num_programs, ... (the launcher sizes the grid to the SMs; one program per tile is
-the non-persistent case). Its warps split three ways (`gl.warp_specialize`):
+the non-persistent case), or with DYNAMIC takes each next one at run time from a launch-wide counter, so that a
+program whose tiles ran long takes fewer. Its warps split three ways (`gl.warp_specialize`):
 
 - the producer (1 warp, few registers) TMA-loads a work tile's Q tiles (one per consumer) once their buffers are
   free (a Q-empty mbarrier per consumer), then streams its K and V tiles through a STAGES-deep shared-memory ring:
