@@ -121,8 +121,8 @@ def _publish_tile(slots, c: gl.constexpr, tile):
 
 @gluon.jit
 def _read_tile(slots, c: gl.constexpr, q_ready, t_local):
-    """Consumer c's next work tile under DYNAMIC (the producer's count of work tiles past the last: no more work):
-    it waits for that tile's Q-ready barrier, which the producer completes after publishing the tile."""
+    """Consumer c's next work tile under DYNAMIC, or the count of work tiles once none is left: it waits for that
+    tile's Q-ready barrier, which the producer completes after publishing the tile."""
     mbarrier.wait(q_ready.index(c), t_local & 1)
     return gl.max(slots.index(c).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), 0)
 
