@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -138,7 +139,8 @@ def main() -> int:
         flops = harness.attention_flops(batch, hq, n, n, d, causal=causal)
         row_ms = {}
         for name, fn in backends.items():
-            if name.startswith("gluon-d") and not name.startswith(f"gluon-d{d}-"):
+            config_dim = re.match(r"gluon-d(\d+)-", name)  # a --configs backend: its head dim only
+            if config_dim and int(config_dim.group(1)) != d:
                 continue
             row = dict(backend=name, dtype="bfloat16", B=batch, Hq=hq, Hkv=hkv, Nq=n, Nk=n, D=d, causal=causal)
             try:

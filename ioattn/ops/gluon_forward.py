@@ -96,9 +96,11 @@ _MASKED_CONFIGS = {d: dataclasses.replace(cfg, snake=True) for d, cfg in _CONFIG
 # 24 KB O + 3 x 32 KB.
 _UNMASKED_CONFIGS = {64: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160)}
 # D 64 masked: three consumer warpgroups without the intra-warpgroup overlap (whose masked loop copies spill at 160
-# registers), in snake order: causal 1.05-1.07x the two-warpgroup kernel at N 2k-4k and 1.05x three overlapped
-# warpgroups at 16k (bench/results/2026-12-07-serial-c3-h100)
-_MASKED_CONFIGS[64] = dataclasses.replace(_UNMASKED_CONFIGS[64], snake=True, pingpong=False, overlap=False)
+# registers): causal 1.05-1.07x the two-warpgroup kernel at N 2k-4k and 1.05x three overlapped warpgroups at 16k
+# (bench/results/2026-12-07-serial-c3-h100); on the dynamic schedule, whose tiles are short enough here for the
+# static one's tail to show: causal 1.04-1.09x snake order at N 2k-16k; at D 128 N 2k it lost 0.84x, at D 256
+# 0.96-1.01x, so those keep snake order (bench/results/2026-12-07-dynamic-h100)
+_MASKED_CONFIGS[64] = dataclasses.replace(_UNMASKED_CONFIGS[64], dynamic=True, pingpong=False, overlap=False)
 HEAD_DIMS = tuple(_CONFIGS)
 # The FP8 forward (`ioattn.ops.fp8_attention`): half the bytes per K/V tile, plus a 16-bit O staging buffer.
 _FP8_CONFIGS = {
