@@ -97,6 +97,16 @@ def test_help_lists_commands_and_benchmarks(capsys):
     assert main(["bench"]) == 2
 
 
+@pytest.mark.parametrize("command", [["demo"], ["generate"], ["serve"], ["eval"], ["explain"],
+                                     *(["bench", name] for name in _benchmarks())])
+def test_every_command_renders_its_help(command, capsys):
+    """argparse formats each help text with %: a stray one in any flag's help breaks that command's --help."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: ioattn " + " ".join(command) in capsys.readouterr().out
+
+
 def test_help_needs_no_server_dependencies():
     """`ioattn --help` must work where fastapi/uvicorn are not installed: block their import and ask for help."""
     code = ("import sys\n"

@@ -573,7 +573,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float)
     p.add_argument("--rounds", type=int,
                    help="forward timings per backend, the backends taking turns each round; the median is reported "
-                        "(default 3 on CUDA, where clocks drift by a few % between back-to-back timings; 1 on CPU)")
+                        "(default 3 on CUDA, where clocks drift by a few %% between back-to-back timings; 1 on CPU)")
     harness.add_run_args(p, budget_s=390.0, out_help="directory for <date>-prefill[-backward]-<device>.{json,md,png}")
     p.add_argument("--plot", help="write a PNG of TFLOP/s against N per backend here")
     args = p.parse_args(argv)
