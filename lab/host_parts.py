@@ -1,5 +1,6 @@
 """Host microseconds of each part of one public attention call (causal D 128 N 2k, the GPU held busy so that
-launches queue): validation, dispatch, the four TMA descriptors, the Gluon launch, the whole call; beside cuDNN."""
+launches queue): validation, dispatch (and its Gluon check and backward-config lookup), the four TMA descriptors,
+the Gluon launch, the whole call; beside cuDNN."""
 import time
 
 import torch
@@ -19,6 +20,8 @@ def main():
     parts = {
         "validate_dense": lambda: checks.validate_dense(q, k, v, True, (-1, -1), None),
         "dispatch.plan": lambda: dispatch.plan(inputs, "auto"),
+        "gluon_unsupported": lambda: dispatch.gluon_unsupported(inputs, (9, 0)),
+        "tuned_bwd_config": lambda: dispatch.tuned_bwd_config(128, torch.bfloat16, (9, 0)),
         "4 descriptors": lambda: [_descriptor(t, r) for t, r in ((q, BLOCK_M), (k, 128), (v, 128), (out, BLOCK_M))],
         "launch_dense": lambda: launch_dense(q, k, v, -1, 0, 0.088, out, lse, plan.config),
         "torch.empty x2": lambda: (torch.empty_like(q), torch.empty(8, 16, 2048, device="cuda")),

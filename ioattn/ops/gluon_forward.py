@@ -16,6 +16,7 @@ import torch
 import triton
 
 from ioattn.ops.capability import HOPPER_SHARED_MEMORY, SIXTEEN_BIT, device_capability
+from ioattn.ops.compiled_launch import CompiledLaunches
 from ioattn.ops.launch_config import check_launch_config
 
 BLOCK_M = 64  # query rows per consumer warpgroup: the wgmma atom (see the kernel's docstring)
@@ -264,12 +265,32 @@ def _strides(t: torch.Tensor) -> list[int]:
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
 
 
-def _descriptor(t: torch.Tensor, rows: int):
+def _descriptor(t: torch.Tensor, rows: int, checked: bool = False):
+    """t's TMA descriptor, boxes [1, rows, 1, D]. checked: `_check` (or the dispatch's `gluon_unsupported`) has
+    passed t, so TensorDescriptor's own checks of the same alignment, strides and shape are skipped (host time
+    paid on every call, four descriptors a launch)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     d = t.shape[3]
-    layout = tile_layout(rows, d, _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), _strides(t), [1, rows, 1, d], layout)
+    fields = dict(base=t, shape=list(t.shape), strides=_strides(t), block_shape=[1, rows, 1, d],
+                  layout=tile_layout(rows, d, _GL_DTYPES[t.dtype]), padding="zero")
+    if not checked:
+        return TensorDescriptor(**fields)
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(fields)
+    return descriptor
+
+
+@functools.cache
+def _launches() -> CompiledLaunches:
+    from ioattn.kernels.gluon_fwd import gluon_fwd_kernel
+
+    return CompiledLaunches(gluon_fwd_kernel)
+
+
+def _aligned(*tensors) -> tuple[bool, ...]:
+    """Which pointer arguments are 16-byte aligned (Triton specializes the kernel on it); None: no tensor."""
+    return tuple(None if t is None else t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _transposed_descriptor(vt: torch.Tensor, keys: int):
@@ -287,7 +308,7 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
     q (B, Nq, Hq, D), k (B, Nk, Hkv, D) e4m3, vt V's codes transposed (B, Hkv, D, Nk' >= Nk, a multiple of 16),
     scales (q (B, Hq, nq), k (B, Hkv, nk), v (B, Hkv, nk), block) float32, block a multiple of the config's
     block_n; writes out (16-bit, like q's shape) and lse (B, Hq, Nq)."""
-    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E
 
     batch, n_q, hq, d = q.shape
     n_k, hkv = k.shape[1], k.shape[2]
@@ -302,7 +323,10 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         k_scale, v_scale = (t[..., None].expand(*t.shape, tiles).reshape(*t.shape[:-1], -1) for t in (k_scale, v_scale))
     q_scale, k_scale, v_scale = (t.contiguous() for t in (q_scale, k_scale, v_scale))
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
-    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
+    key = ("fp8", q.device.index, q.dtype, out.dtype, vt.shape[2], cfg, bool(causal),
+           *_aligned(lse, q_scale, k_scale, v_scale))
+    _launches()(
+        key, _grid(cfg, q.device, batch * hq * m_blocks),
         _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _transposed_descriptor(vt, cfg.block_n),
         _descriptor(out, BLOCK_M), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, 0, 0, softmax_scale * LOG2E,
         LEFT=False, RIGHT=bool(causal), BLOCK_N=cfg.block_n, STAGES=cfg.stages, RESCALE_THRESHOLD=cfg.rescale_threshold,
@@ -356,15 +380,18 @@ def launch_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left:
         lse.fill_(float("-inf"))
         return
 
-    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E
 
     masked = window_left >= 0 or window_right >= 0
     cfg = gluon_config(d, masked) if config is None else config
     m_blocks = triton.cdiv(n_q, cfg.consumers * BLOCK_M)
-    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
-        _descriptor(q, BLOCK_M), _descriptor(k, cfg.block_n), _descriptor(v, cfg.block_n), _descriptor(out, BLOCK_M),
-        lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0), max(window_right, 0),
-        softmax_scale * LOG2E, LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
+    key = ("dense", q.device.index, q.dtype, d, cfg, window_left >= 0, window_right >= 0, *_aligned(lse))
+    _launches()(
+        key, _grid(cfg, q.device, batch * hq * m_blocks),
+        _descriptor(q, BLOCK_M, True), _descriptor(k, cfg.block_n, True), _descriptor(v, cfg.block_n, True),
+        _descriptor(out, BLOCK_M, True), lse, n_q, n_k, hq, hq // hkv, batch * hq, m_blocks, max(window_left, 0),
+        max(window_right, 0), softmax_scale * LOG2E, LEFT=window_left >= 0, RIGHT=window_right >= 0,
+        BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,
         PRODUCER_REGS=cfg.producer_regs, SEPARATE_O=separate_o(d, cfg, q.element_size()), BAND=cfg.band,
         CONSUMERS=cfg.consumers, SNAKE=cfg.snake, OVERLAP=cfg.overlap, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
@@ -398,13 +425,16 @@ def launch_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_
         lse.fill_(float("-inf"))
         return
 
-    from ioattn.kernels.gluon_fwd import LOG2E, gluon_fwd_kernel
+    from ioattn.kernels.gluon_fwd import LOG2E
 
     cfg = gluon_config(d, masked=window_left >= 0 or window_right >= 0) if config is None else config
     m_blocks = max(triton.cdiv(max_seqlen_q, cfg.consumers * BLOCK_M), 1)
-    gluon_fwd_kernel[_grid(cfg, q.device, batch * hq * m_blocks)](
-        _descriptor(q4, BLOCK_M), _descriptor(k4, cfg.block_n), _descriptor(v4, cfg.block_n),
-        _descriptor(out4, BLOCK_M), lse, max_seqlen_q, 0, hq, hq // k.shape[1], batch * hq, m_blocks,
+    key = ("packed", q.device.index, q.dtype, d, cfg, window_left >= 0, window_right >= 0,
+           *_aligned(lse, cu_seqlens_q, cu_seqlens_k, out))
+    _launches()(
+        key, _grid(cfg, q.device, batch * hq * m_blocks),
+        _descriptor(q4, BLOCK_M, True), _descriptor(k4, cfg.block_n, True), _descriptor(v4, cfg.block_n, True),
+        _descriptor(out4, BLOCK_M, True), lse, max_seqlen_q, 0, hq, hq // k.shape[1], batch * hq, m_blocks,
         max(window_left, 0), max(window_right, 0), softmax_scale * LOG2E,
         LEFT=window_left >= 0, RIGHT=window_right >= 0, BLOCK_N=cfg.block_n, STAGES=cfg.stages,
         RESCALE_THRESHOLD=cfg.rescale_threshold, PINGPONG=cfg.pingpong, CONSUMER_REGS=cfg.consumer_regs,

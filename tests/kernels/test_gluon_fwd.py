@@ -218,6 +218,23 @@ def test_persistent_grid_walks_many_work_tiles_per_program(d, causal):
         _check(q, k, v, causal, config=dataclasses.replace(gluon_config(d), **change))
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_repeated_calls_launch_the_compiled_kernel_of_their_own_specialization():
+    """After its first call a specialization is launched directly (`CompiledLaunches`): calls alternating between an
+    LSE buffer 16-byte aligned and one that is not (Triton specializes pointers on it), between shapes, masks and
+    head dims, each poisoned, each exact."""
+    for d, causal, n in ((128, True, 300), (64, True, 300), (128, False, 77), (128, True, 300), (64, True, 1000)):
+        q, k, v = _inputs(2, n, n, 4, 2, d, torch.bfloat16, seed=d + n)
+        ref, ref_lse = attention_ref(q, k, v, causal=causal)
+        for offset in (0, 1, 0, 1):
+            storage = torch.full((2 * 4 * n + 1,), float("nan"), device="cuda")
+            lse = storage[offset:offset + 2 * 4 * n].view(2, 4, n)
+            out, _ = gluon_forward(q, k, v, causal=causal, out=torch.full_like(q, float("nan")), lse=lse)
+            torch.cuda.synchronize()
+            assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and lse_error(lse, ref_lse) < 1e-3, (d, offset)
+
+
 THREE_CONSUMERS = dict(consumers=3, maxnreg=128, consumer_regs=160, block_n=64, stages=4)
 
 
