@@ -232,15 +232,30 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor 
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t is None or t.numel() == 0:
             continue
-        if t.stride(3) != 1:
+        problem = _tma_layout_problem(t.shape, t.stride(), t.element_size())
+        if problem is None and t.data_ptr() % TMA_ALIGN:
+            problem = "unaligned"
+        if problem == "head dim":
             raise ValueError(f"{name} must be contiguous in its head dim (stride 1), got strides {t.stride()}")
-        if any(stride == 0 and n > 1 for n, stride in zip(t.shape, t.stride())):
+        if problem == "expanded":
             raise ValueError(f"{name} must not be expanded (a stride of 0, which TMA cannot step), got strides "
                              f"{t.stride()}: pass a contiguous copy")
-        size = t.element_size()
-        if t.data_ptr() % TMA_ALIGN or any(s * size % TMA_ALIGN for s in _strides(t)[:3]):
+        if problem == "unaligned":
             raise ValueError(f"{name} must have a {TMA_ALIGN}-byte aligned base and strides for TMA, got data_ptr "
-                             f"{t.data_ptr():#x} and strides {t.stride()} ({size}-byte elements)")
+                             f"{t.data_ptr():#x} and strides {t.stride()} ({t.element_size()}-byte elements)")
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_layout_problem(shape: tuple[int, ...], stride: tuple[int, ...], element_size: int) -> str | None:
+    """What TMA cannot step in a (B, N, H, D) layout: "head dim" (not contiguous), "expanded" (a stride of 0) or
+    "unaligned" (a stride not a multiple of 16 bytes); None when it can. By layout: checked on every call."""
+    if stride[3] != 1:
+        return "head dim"
+    if any(step == 0 and n > 1 for n, step in zip(shape, stride)):
+        return "expanded"
+    if any(step * element_size % TMA_ALIGN for step in _tma_strides(shape, stride)[:3]):
+        return "unaligned"
+    return None
 
 
 def _window(window_size, causal: bool) -> tuple[int, int]:
@@ -255,11 +270,17 @@ def _window(window_size, causal: bool) -> tuple[int, int]:
 def _strides(t: torch.Tensor) -> list[int]:
     """t's strides with those of size-1 dims (never stepped over, but TMA checks them) set to the span of the
     dims inside them."""
+    return list(_tma_strides(t.shape, t.stride()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tma_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """`_strides` by shape and strides: seven of them a public call (host time), for a handful of layouts."""
     strides, span = [], 1
-    for size, stride in reversed(list(zip(t.shape, t.stride()))):
-        strides.append(span if size == 1 else stride)
+    for size, step in reversed(list(zip(shape, stride))):
+        strides.append(span if size == 1 else step)
         span = max(span, abs(strides[-1]) * size)
-    return strides[::-1]
+    return tuple(strides[::-1])
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float8_e4m3fn: "float8e4nv"}
