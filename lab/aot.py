@@ -212,12 +212,11 @@ def gluon_paged_kernel(cache="e4m3", head_dim=128, block_n=32, stages=4, maxnreg
 
 
 def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", wide=False, release=False,
-                     seesaw=False, stage_out=False, out="fp32", fused=False):
+                     seesaw=False, stage_out=False, out="fp32"):
     """The Gluon MLA decode (`MLAConfig(kernel="gluon")`) for DeepSeek-V3's latent 512 + rope 64: TMA boxes of
     min(page, block_n) slots; wide: the 64-heads-per-program wgmma kernel (8 warps); release: it lets a dependent
     launch (the split combine) start early; seesaw: the wide kernel's seesaw schedule (4 warps + partitions);
-    stage_out: O stored through the ring's stages; out: O's type (fp32 split partials, or q's type); fused: the
-    last split merges the partials (FUSE_COMBINE)."""
+    stage_out: O stored through the ring's stages; out: O's type (fp32 split partials, or q's type)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -233,11 +232,7 @@ def gluon_mla_kernel(block_n=32, stages=3, page=64, maxnreg=None, cache="bf16", 
     types.update(descs, Q=f"*{name}", Block_table="*i32", Seq_lens="*i32", Out=f"*{out}", Lse="*fp32",
                  scale_log2="fp32")
     constexprs = dict(BLOCK_N=block_n, PAGE=page, STAGES=stages, WIDE=wide, RELEASE_DEPENDENTS=release,
-                      SEESAW=seesaw, STAGE_OUT=stage_out, FUSE_COMBINE=fused)
-    if fused:
-        types.update(Final_out=f"*{name}", Final_lse="*fp32", Arrivals="*i32")
-    else:
-        constexprs.update(Final_out=None, Final_lse=None, Arrivals=None)
+                      SEESAW=seesaw, STAGE_OUT=stage_out)
     aligned = ("Q", "Out", "Lse", "stride_qt", "stride_qh", "stride_os", "stride_ot", "stride_oh")
     sig = {n: "constexpr" if n in constexprs else types[n] for n in kernel.arg_names}
     src = GluonASTSource(kernel, sig, {(kernel.arg_names.index(n),): v for n, v in constexprs.items()},

@@ -159,53 +159,9 @@ def _store_out(staging, Out, Lse, out, lse, split, seq, first_head, live_rows, s
 
 
 @gluon.jit
-def _combine_if_last(Out, Lse, Final_out, Final_lse, Arrivals, seq, head_block, num_splits, first_head, live_rows,
-                     stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, stride_fot, stride_foh,
-                     stride_flt, stride_flh, LATENT: gl.constexpr, o_layout: gl.constexpr):
-    """FUSE_COMBINE: once this program's partial is stored, it counts itself in on its (sequence, head block);
-    the last of the num_splits programs to do so merges every split's partial (the exact LSE merge of
-    `ioattn.kernels.combine`, one split at a time) into the final out and LSE, and sets the count back to 0 for
-    the next launch (so a CUDA graph can replay it). The warp barrier orders every warp's stores before the
-    release of the count; the last program's acquire orders its loads after every other program's release."""
-    HEADS: gl.constexpr = BLOCK_M
-    gl.thread_barrier()
-    arrivals = Arrivals + seq * gl.num_programs(0) + head_block
-    if gl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        gl.store(arrivals, 0)
-        row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        rows = gl.arange(0, HEADS, layout=row_layout)
-        cols = gl.arange(0, LATENT, layout=gl.SliceLayout(0, o_layout))
-        live = rows < live_rows
-        heads = (first_head + rows).to(gl.int64)
-        top = gl.full([HEADS], float("-inf"), gl.float32, row_layout)
-        total = gl.zeros([HEADS], gl.float32, row_layout)
-        merged = gl.zeros([HEADS, LATENT], gl.float32, o_layout)
-        for split in range(num_splits):
-            base = split.to(gl.int64)
-            lse = gl.load(Lse + base * stride_ls + seq * stride_lt + heads * stride_lh, mask=live,
-                          other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(Out + base * stride_os + seq * stride_ot + heads[:, None] * stride_oh + cols[None, :],
-                        mask=live[:, None], other=0.0, cache_modifier=".cg")
-            new_top = gl.maximum(top, lse)
-            safe = gl.where(new_top == float("-inf"), 0.0, new_top)
-            keep = gl.exp(top - safe)  # 0 while nothing was merged (top -inf)
-            weight = gl.exp(lse - safe)  # 0 for a split that saw no key (its o is 0, never NaN)
-            merged = merged * keep[:, None] + o * weight[:, None]
-            total = total * keep + weight
-            top = new_top
-        empty_row = total == 0.0
-        out = merged / gl.where(empty_row, 1.0, total)[:, None]
-        lse = gl.where(empty_row, float("-inf"), top + gl.log(gl.where(empty_row, 1.0, total)))
-        gl.store(Final_out + seq * stride_fot + heads[:, None] * stride_foh + cols[None, :],
-                 out.to(Final_out.dtype.element_ty), mask=live[:, None])
-        gl.store(Final_lse + seq * stride_flt + heads * stride_flh, lse, mask=live)
-
-
-@gluon.jit
 def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split,
               seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-              stride_lh, scale_log2, STAGE_OUT: gl.constexpr, Final_out, Final_lse, Arrivals, stride_fot, stride_foh,
-              stride_flt, stride_flh, num_splits, FUSE_COMBINE: gl.constexpr):
+              stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     BLOCK_N: gl.constexpr = lat_smem.shape[1]
     LATENT: gl.constexpr = lat_smem.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -230,10 +186,6 @@ def _consumer(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, em
     out, lse = finish_rows(acc, m_i, l_tile)
     _store_out(lat_smem, Out, Lse, out, lse, split, seq, head_block * BLOCK_M, num_heads - head_block * BLOCK_M,
                stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, STAGE_OUT)
-    if FUSE_COMBINE:
-        _combine_if_last(Out, Lse, Final_out, Final_lse, Arrivals, seq.to(gl.int64), head_block, num_splits,
-                         head_block * BLOCK_M, num_heads - head_block * BLOCK_M, stride_os, stride_ot, stride_oh,
-                         stride_ls, stride_lt, stride_lh, stride_fot, stride_foh, stride_flt, stride_flh, LATENT, mma)
 
 
 # --- 64 heads per program on wgmma (the compute-bound shapes: 128 heads at TP 1) --------------------------------
@@ -654,8 +606,6 @@ def gluon_mla_decode_kernel(
     scale_log2, num_heads, num_splits,
     BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr,
     RELEASE_DEPENDENTS: gl.constexpr = False, SEESAW: gl.constexpr = False, STAGE_OUT: gl.constexpr = False,
-    Final_out=None, Final_lse=None, Arrivals=None, stride_fot=0, stride_foh=0, stride_flt=0, stride_flh=0,
-    FUSE_COMBINE: gl.constexpr = False,
 ):
     """Grid (cdiv(num_heads, BLOCK_H), batch, num_splits) with BLOCK_H 16 (4 warps, mma.sync) or, WIDE, 64 (8
     warps: two warpgroups on wgmma), + 1 producer warp. lat_desc / rope_desc: TMA descriptors over the latent cache
@@ -663,11 +613,7 @@ def gluon_mla_decode_kernel(
     ROPE]. Q (tokens, heads, LATENT + ROPE). Out (splits, tokens, heads, LATENT) and Lse (splits, tokens, heads),
     float32 (or Out in q's dtype with one split), as `mla_attention_kernel` writes them. RELEASE_DEPENDENTS: see
     `gluon_paged.release_dependents`. SEESAW (WIDE, BLOCK_N 64, STAGES 2; 4 warps, + 4 + 1 in the partitions):
-    the seesaw schedule above, by TMA boxes of 64 columns (rope_desc's). FUSE_COMBINE (16 heads, num_splits > 1):
-    the last split of each (sequence, head block) merges the partials into Final_out (tokens, heads, LATENT) in
-    q's dtype and Final_lse (tokens, heads) float32 (`_combine_if_last`); Arrivals int32 (batch, head blocks), 0
-    before the launch and after it."""
-    gl.static_assert(not FUSE_COMBINE or not (WIDE or SEESAW), "FUSE_COMBINE is the 16-head kernel's")
+    the seesaw schedule above, by TMA boxes of 64 columns (rope_desc's)."""
     LATENT: gl.constexpr = lat_desc.block_type.shape[1]
     ROPE: gl.constexpr = rope_desc.block_type.shape[1]
     HEADS: gl.constexpr = WIDE_HEADS if WIDE else BLOCK_M
@@ -710,7 +656,6 @@ def gluon_mla_decode_kernel(
             gl.warp_specialize([(_consumer, (
                 Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, head_block, split, seq_len,
                 lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
-                stride_lh, scale_log2, STAGE_OUT, Final_out, Final_lse, Arrivals, stride_fot, stride_foh, stride_flt,
-                stride_flh, num_splits, FUSE_COMBINE)), (_producer, (
+                stride_lh, scale_log2, STAGE_OUT)), (_producer, (
                 lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, PAGE, BLOCK_N))],
                 [1], [PRODUCER_REGS])

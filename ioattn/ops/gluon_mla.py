@@ -56,8 +56,6 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
     if (config.block_h, config.num_warps) not in ((16, 4), (64, 8)):
         return ("config.block_h and num_warps must be 16 and 4 (mma.sync) or 64 and 8 (wgmma) for the Gluon MLA "
                 f"kernel, got block_h={config.block_h}, num_warps={config.num_warps}")
-    if config.fused_combine and config.block_h != 16:
-        return f"config.fused_combine is the 16-head kernel's (block_h=16), got block_h={config.block_h}"
     if config.block_n not in (32, 64):
         return f"config.block_n must be 32 or 64 for the Gluon MLA kernel, got {config.block_n}"
     if config.seesaw and (config.block_h, config.block_n, config.num_stages, config.maxnreg) != (64, 64, 2, None):
@@ -79,11 +77,10 @@ def gluon_mla_config_unsupported(config, v_head_dim: int) -> str | None:
 
 
 def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim: int, scale: float,
-                     splits: int, config, release_dependents: bool = False, final=None) -> None:
+                     splits: int, config, release_dependents: bool = False) -> None:
     """One launch over grid (cdiv(heads, config.block_h), batch, splits), writing the Triton kernel's partials (or
     the output): 16 heads per program on mma.sync, or 64 on wgmma; release_dependents: the split combine follows by
-    programmatic dependent launch. final: (out, lse, arrivals) where the kernel merges the splits itself
-    (`config.fused_combine`, splits > 1; arrivals zeroed int32, one per sequence and head block)."""
+    programmatic dependent launch."""
     from ioattn.kernels import gluon_mla
 
     batch, num_heads, _ = q.shape
@@ -98,9 +95,5 @@ def launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse,
         scale * math.log2(math.e), num_heads, splits,
         BLOCK_N=config.block_n, PAGE=latent_cache.shape[1], STAGES=config.num_stages, WIDE=wide,
         RELEASE_DEPENDENTS=release_dependents, SEESAW=config.seesaw, STAGE_OUT=config.stage_out,
-        **({} if final is None else dict(
-            Final_out=final[0], Final_lse=final[1], Arrivals=final[2], stride_fot=final[0].stride(0),
-            stride_foh=final[0].stride(1), stride_flt=final[1].stride(0), stride_flh=final[1].stride(1),
-            FUSE_COMBINE=True)),
         num_warps=4 if config.seesaw else config.num_warps, maxnreg=config.maxnreg,  # seesaw: 4 + 4 in partitions
     )

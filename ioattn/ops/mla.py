@@ -31,7 +31,7 @@ from ioattn.ops.checks import (
 )
 from ioattn.ops.paged import (
     MAX_SPLITS, PagedWorkspace, _dependent_launch_supported, _sm_count, choose_num_splits, combine_splits,
-    paged_workspace, split_arrivals, split_partials,
+    paged_workspace, split_partials,
 )
 from ioattn.ops.paged_checks import (
     MAX_BLOCK_SIZE, check_block_table, check_int_vector, check_table_contents, dtypes_of, require,
@@ -56,15 +56,12 @@ class MLAConfig:
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
     seesaw: bool = False  # kernel "gluon" at 64 heads: the two warpgroups on two tiles at once (FlashMLA's schedule)
     stage_out: bool = False  # kernel "gluon" at 64 heads: O stored through the ring's stages, whole rows per warp
-    # kernel "gluon" at 16 heads: the last split of each sequence merges the partials in the same launch (no
-    # combine kernel after it)
-    fused_combine: bool = False
 
     def __post_init__(self):
         check_launch_config(self)
         if self.kernel not in ("triton", "gluon"):
             raise ValueError(f"MLAConfig.kernel must be 'triton' or 'gluon', got {self.kernel!r}")
-        for name in ("seesaw", "stage_out", "fused_combine"):
+        for name in ("seesaw", "stage_out"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"MLAConfig.{name} must be a bool, got {value!r}")
@@ -178,8 +175,6 @@ class MLAPlan:
                   f"num_warps={cfg.num_warps} num_stages={cfg.num_stages}"
                   + ("" if cfg.maxnreg is None else f" maxnreg={cfg.maxnreg}"))
         combine = " (programmatic dependent launch)" if self.dependent_combine else ""
-        if cfg.fused_combine:
-            combine = " fused: the last split of each sequence merges them"
         splits = f", {self.num_splits} splits + combine{combine}" if self.num_splits > 1 else ", no split"
         heads = f", {self.head_blocks} head blocks per query tile (each reads the latent rows)"
         return ("absorbed MLA over the paged latent cache (one shared KV head; V = the latent part of the rows "
@@ -229,8 +224,7 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     if default_gluon and block_h == 64 and keys_per_program >= SEESAW_MIN_KEYS:
         config = dataclasses.replace(config, seesaw=True)
         why += f"; the seesaw schedule: {keys_per_program} keys per program (from {SEESAW_MIN_KEYS}: SEESAW_MIN_KEYS)"
-    dependent = (num_splits > 1 and dependent_combine is not False and not config.fused_combine
-                 and _dependent_launch_supported(q.device))
+    dependent = num_splits > 1 and dependent_combine is not False and _dependent_launch_supported(q.device)
     return MLAPlan(config, num_splits, block_h, tokens, q_tiles, head_blocks, dependent, reason=why)
 
 
@@ -388,11 +382,9 @@ def mla_paged_attention(
     if cfg.kernel == "gluon":  # the plan checked that it can take this call
         from ioattn.ops.gluon_mla import launch_gluon_mla
 
-        fused = cfg.fused_combine and splits > 1
-        final = (out, lse, split_arrivals(batch * plan.head_blocks, workspace, q.device)) if fused else None
         launch_gluon_mla(q, latent_cache, block_table, seq_lens, part_out, part_lse, v_head_dim, scale, splits, cfg,
-                         plan.dependent_combine, final)
-        if splits > 1 and not fused:
+                         plan.dependent_combine)
+        if splits > 1:
             combine_splits(part_out, part_lse, out, lse, plan.dependent_combine)
         return (out, lse) if return_lse else out
     rope = latent_cache.shape[3] - v_head_dim

@@ -194,12 +194,10 @@ def choose_gather(num_tokens: int, batch: int, group: int, window_left: int, sin
 
 @dataclass
 class PagedWorkspace:
-    """Float32 scratch for split partials: out (splits, tokens, heads, D), lse (splits, tokens, heads); arrivals:
-    int32 (tokens x heads,) zeros, the counts of a combine fused into the split kernel (which leaves them 0)."""
+    """Float32 scratch for split partials: out (splits, tokens, heads, D), lse (splits, tokens, heads)."""
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    arrivals: torch.Tensor | None = None
 
 
 def paged_workspace(max_tokens: int, num_heads: int, head_dim: int, *, max_splits: int = MAX_SPLITS,
@@ -208,7 +206,6 @@ def paged_workspace(max_tokens: int, num_heads: int, head_dim: int, *, max_split
     return PagedWorkspace(
         torch.empty(max_splits, max_tokens, num_heads, head_dim, dtype=torch.float32, device=device),
         torch.empty(max_splits, max_tokens, num_heads, dtype=torch.float32, device=device),
-        torch.zeros(max_tokens * num_heads, dtype=torch.int32, device=device),
     )
 
 
@@ -544,17 +541,6 @@ def split_partials(out: torch.Tensor, lse: torch.Tensor, splits: int, workspace:
             f"workspace {tuple(ws_out.shape)} on {ws_out.device} cannot hold {splits} splits x {num_tokens} tokens x "
             f"{num_heads} heads x {head_dim} on {out.device}")
     return ws_out[:splits, :num_tokens], ws_lse[:splits, :num_tokens]
-
-
-def split_arrivals(count: int, workspace: PagedWorkspace | None, device) -> torch.Tensor:
-    """`count` zeroed int32 counters for a combine fused into the split kernel: the workspace's (which the kernel
-    leaves zeroed), or new ones for this call."""
-    if workspace is None or workspace.arrivals is None:
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    require(workspace.arrivals.numel() >= count and workspace.arrivals.dtype == torch.int32,
-            f"workspace.arrivals must be int32 with at least {count} counters, got {workspace.arrivals.numel()} "
-            f"{workspace.arrivals.dtype}")
-    return workspace.arrivals[:count]
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

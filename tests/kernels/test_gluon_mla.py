@@ -19,7 +19,7 @@ from sm90_builds import build_records
 from test_gluon_paged import dependent_combine_matches_the_ordered_one, replay_with_new_lengths_and_tables
 from test_mla import latent_pool, reference, run_case
 
-from ioattn.ops.mla import GLUON_MLA_DEFAULTS, MLAConfig, MLAPlan, explain_mla, mla_paged_attention, mla_workspace
+from ioattn.ops.mla import GLUON_MLA_DEFAULTS, MLAConfig, explain_mla, mla_paged_attention, mla_workspace
 from ioattn.reference import TOLERANCE, lse_error, rel_error
 
 _AOT_SCRIPT = """
@@ -52,11 +52,7 @@ GLUON = dict(default=DEFAULT,
              staged=dataclasses.replace(DEFAULT, stage_out=True),
              wgmma_direct=dataclasses.replace(GLUON_MLA_DEFAULTS[(128, 512)], stage_out=False),
              seesaw_staged=MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
-                                     seesaw=True, stage_out=True),
-             # the last split of each sequence merges the partials (no combine launch)
-             fused=dataclasses.replace(DEFAULT, fused_combine=True),
-             fused_n32=dataclasses.replace(GLUON_MLA_DEFAULTS[(16, 512)], block_n=32, num_stages=3, maxnreg=128,
-                                           fused_combine=True))
+                                     seesaw=True, stage_out=True))
 
 
 def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measured():
@@ -86,28 +82,10 @@ def test_aot_build_for_sm90_is_warp_specialized_by_tma_and_spills_what_was_measu
     assert "stride_os" not in gluon_mla_decode_kernel.do_not_specialize
 
 
-def test_fused_combine_builds_one_arrival_count_and_no_dependent_launch():
-    """FUSE_COMBINE: one acquire-release atomic (a single thread's, the count of arrived splits), loads of the
-    other splits' partials past L1; the plan launches no combine kernel and says so."""
-    records = build_records("""
-import json
-import aot
-for fused in (False, True):
-    ptx = aot.gluon_mla_kernel(64, 2, 64, fused=fused).asm["ptx"]
-    print(json.dumps(dict(atomics=ptx.count("atom.global"), acq_rel=ptx.count("atom.global.gpu.acq_rel"),
-                          bypass_l1=ptx.count("ld.global.cg"),
-                          release=ptx.count("griddepcontrol.launch_dependents"))))
-""", "")
-    assert [(r["atomics"], r["acq_rel"], r["release"]) for r in records] == [(0, 0, 0), (1, 1, 0)], records
-    assert records[1]["bypass_l1"] > records[0]["bypass_l1"], records
-    plan = MLAPlan(GLUON["fused"], 4, 16, 1, 1, 1)
-    assert "4 splits + combine fused: the last split of each sequence merges them" in str(plan), str(plan)
-
-
 def test_kernel_field_is_checked():
     with pytest.raises(ValueError, match="MLAConfig.kernel must be 'triton' or 'gluon'"):
         MLAConfig(kernel="cuda")
-    for name in ("seesaw", "stage_out", "fused_combine"):
+    for name in ("seesaw", "stage_out"):
         with pytest.raises(ValueError, match=f"MLAConfig.{name} is an option of kernel='gluon'"):
             MLAConfig(**{name: True})
         with pytest.raises(ValueError, match=f"MLAConfig.{name} must be a bool"):
@@ -158,8 +136,6 @@ def test_every_refusal_names_what_the_kernel_takes(change, why):
     (dict(block_h=64, block_m=64, num_warps=8, maxnreg=200), "at most 168, or None"),
     (dict(block_h=64, block_m=64, num_warps=8, block_n=32, seesaw=True), "config.seesaw takes block_h=64"),
     (dict(block_h=64, block_m=64, num_warps=8, block_n=64, maxnreg=160, seesaw=True), "and maxnreg=None"),
-    (dict(block_h=64, block_m=64, num_warps=8, block_n=64, num_stages=2, fused_combine=True),
-     "config.fused_combine is the 16-head kernel's"),
 ])
 def test_configs_it_cannot_build_are_named(change, why):
     from ioattn.ops.gluon_mla import gluon_mla_config_unsupported
@@ -217,9 +193,6 @@ LENGTHS = [1000, 17, 0, 4096, 513, 1, 32, 33, 64]
     (torch.float16, 40, 16, "wgmma_direct"),
     (torch.bfloat16, 128, 64, "seesaw_staged"),
     (torch.float16, 72, 16, "seesaw_staged"),
-    (torch.bfloat16, 16, 64, "fused"),
-    (torch.float16, 5, 16, "fused"),  # rows 5..15 padding
-    (torch.bfloat16, 40, 128, "fused_n32"),  # three head blocks, the last partly padding
 ])
 def test_deepseek_v3_shapes_on_gpu(dtype, heads, page, config):
     for splits in (1, 3, 0):
@@ -320,40 +293,6 @@ def test_dependent_combine_after_the_gluon_kernel_on_gpu(config):
     dependent_combine_matches_the_ordered_one(call)
     ref, _ = reference(q, cache, table, seq_lens, [1] * len(seq_lens), 512, 0.07)
     assert rel_error(call(True, None), ref) < TOLERANCE[torch.bfloat16]
-
-
-@pytest.mark.gpu
-def test_fused_combine_leaves_its_counts_zeroed_for_the_next_launch_and_graph_replays():
-    """The fused combine's arrival counts (the workspace's, or a call's own) are 0 after every launch: calls
-    with 2..16 splits one after another on one workspace, some splits empty, each equal to the combine launched
-    after the kernel; then a CUDA graph of it replayed on new lengths, tables and queries."""
-    seq_lens = [700, 33, 128]
-    cache, table = latent_pool(seq_lens, page=64, dim=576, dtype=torch.bfloat16, device="cuda", spare_blocks=20)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(3, 16, 576, dtype=torch.bfloat16, device="cuda")
-    workspace = mla_workspace(3, 16, 512, max_splits=16, device="cuda")
-    for splits in (2, 5, 16, 3):
-        for space in (workspace, None):
-            got = mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.05, num_splits=splits,
-                                      workspace=space, config=GLUON["fused"], return_lse=True, validate=False)
-            expected = mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.05,
-                                           num_splits=splits, config=DEFAULT, return_lse=True, validate=False)
-            torch.cuda.synchronize()
-            assert int(workspace.arrivals.abs().sum()) == 0, splits
-            assert rel_error(got[0], expected[0]) < 1e-3 and lse_error(got[1], expected[1]) < 1e-5, splits
-    out = torch.empty(3, 16, 512, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        mla_paged_attention(q, cache, table, lens, v_head_dim=512, softmax_scale=0.05, out=out, num_splits=7,
-                            workspace=workspace, config=GLUON["fused"], validate=False)
-
-    for _ in range(2):
-        new_lens = replay_with_new_lengths_and_tables(step, lens, table, q, out)
-        torch.cuda.synchronize()
-        ref, _ = reference(q, cache, table, new_lens, [1] * 3, 512, 0.05)
-        assert rel_error(out, ref) < TOLERANCE[torch.bfloat16] and int(workspace.arrivals.abs().sum()) == 0
-        lens.copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        table.copy_(table.flip(0))
 
 
 @pytest.mark.gpu
