@@ -3,6 +3,10 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
+#   aligned: GPU tests of the Gluon forward (causal query blocks end-aligned), the fp8 forward and the dispatch;
+#           causal D 64/128 at N 2k-4k beside cuDNN                                                    <= 290 s
+#   floor:  16-head MLA at the bar's smallest rows: split kernel, combine, a read and a copy of the same
+#           bytes (lab/mla_floor.py)                                                                   <= 105 s
 #   dynamic: the Gluon forward's dynamic schedule (GluonConfig.dynamic): its GPU tests, then causal D 64/128/256
 #           and unmasked D 64/128 at N 2k-4k beside the static schedule and cuDNN                        <= 260 s
 #   combine: 16-head MLA at one and eight sequences (split combine in column blocks of 128)            <= 40 s
@@ -178,6 +182,20 @@ harness_gap() {
     step "causal N 2k: the public call, the Gluon forward called directly, cuDNN; host time per call"
     timeout 80 python3 lab/harness_gap.py "$OUT/gap.json" 2>&1 | grep -v Warning | cut -c1-600
 }
+aligned_blocks() {
+    source "$lab/device_log.sh" aligned.log
+    step "GPU tests: the Gluon forward (causal query blocks end-aligned), the fp8 forward, the dispatch"
+    gpu_tests 200 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py \
+        tests/ops/test_dispatch.py tests/ops/test_attention_fwd.py
+    step "causal N 2k-4k: the Gluon forward called directly beside cuDNN"
+    OUT=$OUT/causal timeout 70 python3 lab/gluon_fwd_bench.py --head-dims 64,128 --causal yes --seqlens 2048,4096 \
+        --only gluon,torch-cudnn --budget-s 55 2>&1 | grep -v Warning | cut -c1-200
+}
+mla_floor() {
+    source "$lab/device_log.sh" floor.log
+    step "16-head MLA at the bar's smallest rows: the split kernel, the combine, a read and a copy of the same bytes"
+    timeout 100 python3 lab/mla_floor.py 2>&1 | grep -v Warning | cut -c1-400
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -191,6 +209,8 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
+run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
+run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
 run_part combine 40 bash -c "$(declare -f combine_blocks); lab=$lab; combine_blocks"
 run_part varlen 170 bash -c "$(declare -f varlen_tests); lab=$lab; varlen_tests"

@@ -78,9 +78,10 @@ def _key_blocks(rows_start, rows_end, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.co
 @gluon.jit
 def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr, BAND: gl.constexpr):
     """Work tile -> (batch, head, index of its query block counted from the last, times ROWS: `_block_start` turns
-    it into the first row). The query blocks go in bands of BAND from the last down (causal: the longest first); within a band, every (batch, head) in turn, each with its band's blocks next to each other,
-    so the ~one tile per SM that run at once read the K/V of a few heads together (L2 hits; heads of one KV group
-    are neighbours). BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.64x cuDNN
+    it into the first row). The query blocks go in bands of BAND from the last down (causal: the longest first);
+    within a band, every (batch, head) in turn, each with its band's blocks next to each other, so the ~one tile
+    per SM that run at once read the K/V of a few heads together (L2 hits; heads of one KV group are neighbours).
+    BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.64x cuDNN
     at N 2k on an H100 (bench/results/2026-12-06-gluon-fwd-persistent-h100)."""
     band_tiles = BAND * batch_heads
     band = tile // band_tiles
