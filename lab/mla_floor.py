@@ -4,8 +4,9 @@ beside what any kernel reaching those bytes gets at that size on this card.
 Per shape, µs per layer in one CUDA graph over the same distinct layer caches as `ioattn bench decode --mla`:
 - `full`: the default call (split kernel, then the combine);
 - `split`: the split kernel alone, `combine`: the combine alone (over the partials the split kernel wrote);
-- `read`: a Triton kernel that only sums the same bytes (each program a contiguous chunk; the best of a few chunk
-  sizes), `copy`: torch's copy of the same bytes into another buffer (counted read + written);
+- `read`: a Triton kernel that only sums the same pool's bytes, page by page in the block table's order (the best
+  of 1, 4 or 8 pages per program; `read_storage`: in storage order), `copy`: torch's copy of the same bytes into
+  another buffer (counted read + written);
 - `launch`: an empty kernel, per launch (the graph's own cost per kernel).
 Figures as % of the copy ceiling measured in the same run.
 
@@ -34,18 +35,19 @@ from lab.fp8_tiles import run_setup
 HEADS = 16
 SHAPES = [tuple(map(int, s.split("x"))) for s in os.environ.get(
     "MLA_FLOOR_SHAPES", "64x1024 8x8192 1x65536 32x4096 128x1024 64x4096").split()]
-READ_CHUNKS_KIB = (32, 128, 512)  # bytes per program of the read kernel, the best one reported
-READ_BLOCK = 4096  # int32 words per load step: 16 KB
+READ_PAGES = (1, 4, 8)  # pages per program of the read kernel, the best one reported
+READ_BLOCK = 2048  # int32 words per load step (8 KB); a 64-slot page of 576 bf16 values is 9 steps
 
 
 @triton.jit
-def _read_kernel(src, out, words, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Sums (wrapping) the int32 words of one contiguous chunk, so that the loads cannot be elided."""
-    start = tl.program_id(0).to(tl.int64) * CHUNK
+def _read_kernel(src, order, out, PAGE_WORDS: tl.constexpr, PAGES: tl.constexpr, BLOCK: tl.constexpr):
+    """Sums (wrapping) the int32 words of PAGES pages, the program's entries of `order`, so that no load is
+    elided: the latent pool's bytes read page by page in the block table's order (or in storage order)."""
     acc = tl.zeros([BLOCK], tl.int32)
-    for step in range(0, CHUNK, BLOCK):
-        idx = start + step + tl.arange(0, BLOCK)
-        acc += tl.load(src + idx, mask=idx < words, other=0)
+    for k in range(PAGES):
+        page = tl.load(order + tl.program_id(0) * PAGES + k).to(tl.int64)
+        for step in range(0, PAGE_WORDS, BLOCK):
+            acc += tl.load(src + page * PAGE_WORDS + step + tl.arange(0, BLOCK))
     tl.store(out + tl.program_id(0), tl.sum(acc))
 
 
@@ -109,32 +111,37 @@ def main() -> None:
             row["split_us"] = graph_us(split, layers, args)
             if splits > 1:
                 row["combine_us"] = graph_us(combine, layers, args)
-        # the read and copy floors over buffers of the latent's bytes (pages in table order: one contiguous span)
-        words = case.kv_bytes // 4
-        flats = [torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device=args.device)
-                 for _ in range(min(layers, 16))]
-        sums = torch.empty(words // 1024 + 1, dtype=torch.int32, device=args.device)
-        best = None
-        for kib in READ_CHUNKS_KIB:
-            chunk = kib * 256  # int32 words
-            grid = (math.ceil(words / chunk),)
+        # the read floor over the same pools, page by page in the table's order and in storage order; the copy
+        flat_pools = [layer_pool.view(torch.int32).view(-1) for layer_pool in pools]
+        page_words = flat_pools[0].numel() // pool.shape[0]
+        orders = {"table": table.reshape(-1).contiguous(),
+                  "storage": torch.arange(pool.shape[0], dtype=torch.int32, device=args.device)}
+        sums = torch.empty(pool.shape[0], dtype=torch.int32, device=args.device)
+        for order_name, order in orders.items():
+            best = None
+            for pages in READ_PAGES:
+                if pool.shape[0] % pages:
+                    continue
 
-            def read(chunk=chunk, grid=grid):
-                for flat in flats:
-                    _read_kernel[grid](flat, sums, words, CHUNK=chunk, BLOCK=READ_BLOCK, num_warps=8)
+                def read(order=order, pages=pages):
+                    for flat in flat_pools:
+                        _read_kernel[(pool.shape[0] // pages,)](flat, order, sums, PAGE_WORDS=page_words, PAGES=pages,
+                                                                BLOCK=READ_BLOCK, num_warps=8)
 
-            us = graph_us(read, len(flats), args)
-            row[f"read_{kib}k_us"] = us
-            best = us if best is None else min(best, us)
-        row["read_us"] = best
-        dsts = [torch.empty_like(flats[0]) for _ in flats]
+                us = graph_us(read, layers, args)
+                row[f"read_{order_name}_p{pages}_us"] = us
+                best = us if best is None else min(best, us)
+            row[f"read_{order_name}_us"] = best
+        row["read_us"] = row["read_table_us"]
+        flats = flat_pools[:16]
+        dsts = [torch.empty_like(flat) for flat in flats]
 
         def copy():
             for flat, dst in zip(flats, dsts):
                 dst.copy_(flat)
 
         row["copy_us"] = graph_us(copy, len(flats), args)
-        for key in ("full", "split", "read"):
+        for key in ("full", "split", "read", "read_storage"):
             if f"{key}_us" in row:
                 row[f"{key}_copy_pct"] = 100 * case.bytes / (row[f"{key}_us"] * 1e-6) / 1e12 / copy_tbps
         row["copy_copy_pct"] = 100 * 2 * case.kv_bytes / (row["copy_us"] * 1e-6) / 1e12 / copy_tbps
@@ -142,7 +149,7 @@ def main() -> None:
         print(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()
                        if k != "plan"), flush=True)
         (out_dir / "mla-floor.json").write_text(json.dumps(result, indent=1) + "\n")
-        del pools, pool, flats, dsts, workspace
+        del pools, pool, flat_pools, flats, dsts, workspace
         torch.cuda.empty_cache()
 
 
