@@ -77,36 +77,17 @@ def _key_blocks(rows_start, rows_end, n_q, n_k, LEFT: gl.constexpr, RIGHT: gl.co
 
 @gluon.jit
 def _tile_coords(tile, n_heads, batch_heads, n_m_blocks, ROWS: gl.constexpr, BAND: gl.constexpr):
-    """Work tile -> (batch, head, index of its query block counted from the last, times ROWS: `_block_start` turns
-    it into the first row). The query blocks go in bands of BAND from the last down (causal: the longest first);
-    within a band, every (batch, head) in turn, each with its band's blocks next to each other, so the ~one tile
-    per SM that run at once read the K/V of a few heads together (L2 hits; heads of one KV group are neighbours).
-    BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.64x cuDNN
+    """Work tile -> (batch, head, first query row). The query blocks go in bands of BAND from the last down (causal:
+    the longest first); within a band, every (batch, head) in turn, each with its band's blocks next to each other,
+    so the ~one tile per SM that run at once read the K/V of a few heads together (L2 hits; heads of one KV group
+    are neighbours). BAND 1 is (batch, head) fastest, where every running tile streams K/V of its own: 0.64x cuDNN
     at N 2k on an H100 (bench/results/2026-12-06-gluon-fwd-persistent-h100)."""
     band_tiles = BAND * batch_heads
     band = tile // band_tiles
     rest = tile % band_tiles
     blocks = gl.minimum(n_m_blocks - band * BAND, BAND)  # the last band may be short
     bh = rest // blocks
-    return bh // n_heads, bh % n_heads, (band * BAND + rest % blocks) * ROWS
-
-
-@gluon.jit
-def _block_start(from_end, len_q, n_m_blocks, ROWS: gl.constexpr, ALIGN_END: gl.constexpr):
-    """The first query row of the block `from_end` / ROWS blocks from the last. The blocks start at row 0 (the last
-    may reach past len_q), or ALIGN_END, end at len_q (the first may start before row 0): a partial block, whose
-    idle consumer warpgroups leave the SM's tensor cores to fewer, is then under a causal mask the shortest
-    rather than the longest. A block wholly outside 0 .. len_q (varlen's shorter sequences) is no work."""
-    if ALIGN_END:
-        return len_q - from_end - ROWS
-    return (n_m_blocks - 1) * ROWS - from_end
-
-
-@gluon.jit
-def _align_end(RIGHT: gl.constexpr, CONSUMERS: gl.constexpr):
-    """Whether the query blocks end at the sequence's end (`_block_start`): where the keys a block sees grow with
-    its rows (a right bound: causal) and its rows (192 with three consumers) rarely divide the sequence."""
-    return RIGHT and CONSUMERS == 3
+    return bh // n_heads, bh % n_heads, (n_m_blocks - 1 - band * BAND - rest % blocks) * ROWS
 
 
 @gluon.jit
@@ -167,14 +148,13 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, n_heads, gro
         tile = k
         if SNAKE:
             tile = _snake(k, total)
-        batch, head, from_end = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
+        batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
         seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
-        m_start = _block_start(from_end, len_q, n_m_blocks, CONSUMERS * BLOCK_M, _align_end(RIGHT, CONSUMERS))
-        if (m_start < len_q) & (m_start + CONSUMERS * BLOCK_M > 0):  # varlen: blocks past a sequence are no work
+        if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
             kv_head = head // group
             for c in gl.static_range(CONSUMERS):
-                # a box wholly outside Q loads zeros (varlen: a neighbouring sequence's rows, never stored): every
-                # work tile loads, waits and frees every Q tile
+                # a box wholly past the end of Q loads zeros (varlen: the next sequence's rows, never stored): every
+                # work tile loads, waits and frees both Q tiles
                 mbarrier.wait(q_empty.index(c), (t_local & 1) ^ 1)
                 if DYNAMIC:
                     _publish_tile(slots, c, k)
@@ -358,13 +338,13 @@ def _store_tma(o, o_desc, staged, coords):
 
 
 @gluon.jit
-def _store_rows(o, seqs, first_row, lo, hi, head, o_layout: gl.constexpr):
-    """O's rows lo .. hi stored from registers (varlen: a query tile that reaches past either end of its sequence):
-    seqs[2] is O's base, seqs[3] / seqs[4] its row and head strides."""
+def _store_rows(o, seqs, first_row, rows_left, head, o_layout: gl.constexpr):
+    """O's first `rows_left` rows stored from registers (varlen, a sequence's last query tile): seqs[2] is O's
+    base, seqs[3] / seqs[4] its row and head strides."""
     rows = gl.arange(0, o.shape[0], layout=gl.SliceLayout(1, o_layout))
     cols = gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, o_layout))
     offsets = ((first_row + rows).to(gl.int64) * seqs[3] + head * seqs[4])[:, None] + cols[None, :]
-    gl.store(seqs[2] + offsets, o.to(seqs[2].dtype.element_ty), mask=((rows >= lo) & (rows < hi))[:, None])
+    gl.store(seqs[2] + offsets, o.to(seqs[2].dtype.element_ty), mask=(rows < rows_left)[:, None])
 
 
 @gluon.jit
@@ -517,13 +497,11 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
         tile = k
         if SNAKE:
             tile = _snake(k, total)
-        batch, head, from_end = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
+        batch, head, m_start = _tile_coords(tile, n_heads, batch_heads, n_m_blocks, CONSUMERS * BLOCK_M, BAND)
         seq_batch, q_start, k_start, len_q, len_k = _sequence(batch, n_q, n_k, seqs, VARLEN)
-        m_start = _block_start(from_end, len_q, n_m_blocks, CONSUMERS * BLOCK_M, _align_end(RIGHT, CONSUMERS))
-        if (m_start < len_q) & (m_start + CONSUMERS * BLOCK_M > 0):  # varlen: blocks past a sequence are no work
+        if m_start < len_q:  # varlen: the query blocks past a sequence's end are no work
             row_start = m_start + c * BLOCK_M
-            # a partial block's outer Q tiles may lie wholly outside 0 .. len_q
-            active = (row_start < len_q) & (row_start + BLOCK_M > 0)
+            active = row_start < len_q  # the last query block's second Q tile may lie wholly past the end of Q
             rows = row_start + gl.arange(0, BLOCK_M, layout=row_layout)
             # the producer's tiles first .. end, counted from 0 here: n_all of them. This consumer's rows see tiles
             # 0 .. n_own (those before its own first one come masked: under a left window the second consumer's
@@ -551,8 +529,7 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                 k_scales = k_scale_base + kv_row
                 v_scales = v_scale_base + kv_row
                 q_scales = q_scale_base + (batch * n_heads + head).to(gl.int64) * scale_blocks_q
-                row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=(rows >= 0) & (rows < len_q),
-                                                    other=0.0)
+                row_scale = qk_scale_log2 * gl.load(q_scales + rows // scale_block, mask=rows < len_q, other=0.0)
                 # each tile's scales are loaded one tile ahead, so their latency hides behind that tile's wgmmas
                 k_scale_next = _tile_scale(k_scales, first, scale_tiles_k - 1)
 
@@ -703,11 +680,11 @@ def _consumer(c: gl.constexpr, o_desc, q_smem, k_smem, v_smem, o_smem, p_buffers
                     lse_row = head.to(gl.int64) * seqs[5] + q_start
                 else:  # LSE (B, Hq, Nq)
                     lse_row = (batch * n_heads + head).to(gl.int64) * len_q
-                gl.store(LSE + lse_row + rows, lse, mask=(rows >= 0) & (rows < len_q))
+                gl.store(LSE + lse_row + rows, lse, mask=rows < len_q)
                 tma.store_wait(0)  # the previous work tile's O store has read the buffer
                 if VARLEN:
-                    if (row_start < 0) | (row_start + BLOCK_M > len_q):  # a TMA box would write a neighbour's rows
-                        _store_rows(o, seqs, q_start + row_start, -row_start, len_q - row_start, head, o_layout)
+                    if row_start + BLOCK_M > len_q:  # a TMA box would write into the next sequence's rows
+                        _store_rows(o, seqs, q_start + row_start, len_q - row_start, head, o_layout)
                     else:
                         _store_tma(o, o_desc, staged, [seq_batch, q_start + row_start, head, 0])
                 else:
