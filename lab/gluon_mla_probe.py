@@ -1,15 +1,18 @@
-"""Where a 64-head Gluon MLA decode program spends its time: the lockstep wgmma kernel of
-`ioattn.kernels.gluon_mla` rebuilt here with %globaltimer stamps (ns) per program at: kernel start, Q staged, the
-first tile folded in, the last tile folded in, O and LSE stored (the consumers), and the producer's start, first
-block ids read and last TMA issued. Prints each phase's median over programs, relative to the kernel's
-start, for B 1 and 64 at L 64 and 1024 (128 heads, latent 512 + 64, pages of 64), after one warm-up launch.
+"""Where a Gluon MLA decode program spends its time: the lockstep 64-head wgmma kernel and the 16-head mma.sync
+kernel of `ioattn.kernels.gluon_mla` rebuilt here with %globaltimer stamps (ns) per program at: kernel start, Q
+staged, the first tile folded in, the last tile folded in, O and LSE stored (the consumers), and the producer's
+start, first block ids read and last TMA issued. Prints each phase's median over programs, relative to the
+kernel's start (16 heads: also the spread over programs of the first tile, the last tile and the store), after
+warm-up launches: 128 heads at B 1 and 64, L 64 and 1024; 16 heads at W2 7/7's B·L = 64k rows with the split
+heuristic's count (the partials only; no combine) and at B128 L1k (latent 512 + 64, pages of 64).
 
-    PYTHONPATH=. python3 lab/gluon_mla_probe.py     # CUDA, sm_90
+    PYTHONPATH=. python3 lab/gluon_mla_probe.py [16|128 ...]     # CUDA, sm_90; default both
 """
 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 from triton.experimental import gluon
@@ -18,12 +21,14 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
 from ioattn.kernels.gluon_mla import (
-    WIDE_HEADS, _page_blocks, _producer, _stage_q, _wide_tile,
+    WIDE_HEADS, _attend_tile, _page_blocks, _producer, _stage_q, _wide_tile,
 )
 from ioattn.kernels.gluon_paged import PRODUCER_REGS, finish_rows, ring_barriers, split_tiles, store_rows
 from ioattn.ops.gluon_paged import cache_descriptor
+from ioattn.ops.mla import explain_mla
 
 SLOTS = 8
+BLOCK_M16 = gl.constexpr(16)  # the 16-head kernel's query rows
 NAMES = ["start", "Q staged", "first tile", "last tile", "stored", "producer start", "first ids", "producer done"]
 
 
@@ -32,7 +37,7 @@ def _stamp(Stamps, slot: gl.constexpr, after):
     """%globaltimer into Stamps[program, slot], read once `after` (a value the stamp must wait for) exists."""
     now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [after], dtype=gl.int64,
                                     is_pure=False, pack=1)
-    program = gl.program_id(0) + gl.num_programs(0) * gl.program_id(1)
+    program = gl.program_id(0) + gl.num_programs(0) * (gl.program_id(1) + gl.num_programs(1) * gl.program_id(2))
     gl.store(Stamps + program * 8 + slot, now)
 
 
@@ -111,6 +116,103 @@ def probe_kernel(lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse, Stamps
     ], [1], [PRODUCER_REGS])
 
 
+@gluon.jit
+def _probe_consumer16(Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, split, seq_len, lo,
+                      hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+                      stride_lh, scale_log2, Stamps):
+    """`gluon_mla._consumer` (16 heads, 4 warps, mma.sync) for full tiles, with stamps."""
+    BLOCK_N: gl.constexpr = lat_smem.shape[1]
+    LATENT: gl.constexpr = lat_smem.shape[2]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, NUM_WARPS], [1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+    _stage_q(Q, q_lat, q_rope, seq, 0, num_heads, stride_qt, stride_qh, q_layout)
+    _stamp(Stamps, 1, seq_len)
+    m_i = gl.full([BLOCK_M16], float("-inf"), gl.float32, gl.SliceLayout(1, mma))
+    l_tile = gl.zeros([BLOCK_M16, BLOCK_N], gl.float32, mma)
+    acc = gl.zeros([BLOCK_M16, LATENT], gl.float32, mma)
+    acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty, 0, lo,
+                                    seq_len, scale_log2, mma, False)
+    _stamp(Stamps, 2, gl.max(m_i, 0).to(gl.int32, bitcast=True))
+    for tile in range(lo + 1, hi):
+        acc, m_i, l_tile = _attend_tile(acc, m_i, l_tile, q_lat, q_rope, lat_smem, rope_smem, p_smem, ready, empty,
+                                        tile - lo, tile, seq_len, scale_log2, mma, False)
+    _stamp(Stamps, 3, gl.max(m_i, 0).to(gl.int32, bitcast=True))
+    out, lse = finish_rows(acc, m_i, l_tile)
+    store_rows(Out, Lse, out, lse, split, seq, 0, num_heads, stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+               stride_lh)
+    _stamp(Stamps, 4, seq_len)
+
+
+@gluon.jit
+def probe16_kernel(lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse, Stamps, stride_qt, stride_qh,
+                   stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh, scale_log2,
+                   num_heads, num_splits, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    """The 16-head kernel for full tiles only (L a multiple of BLOCK_N), grid (1, batch, splits), with stamps."""
+    LATENT: gl.constexpr = lat_desc.block_type.shape[1]
+    ROPE: gl.constexpr = rope_desc.block_type.shape[1]
+    dtype: gl.constexpr = lat_desc.dtype
+    _stamp(Stamps, 0, gl.program_id(1))
+    seq = gl.program_id(1)
+    split = gl.program_id(2)
+    seq_len, lo, hi = split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N)
+    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
+    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
+                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
+    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M16, LATENT],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M16, LATENT], dtype))
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_M16, ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M16, ROPE], dtype))
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M16, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M16, BLOCK_N], dtype))
+    ready, empty = ring_barriers(STAGES)
+    table_row = Block_table + seq.to(gl.int64) * stride_table
+    gl.warp_specialize([
+        (_probe_consumer16, (Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, p_smem, ready, empty, seq, split,
+                             seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot, stride_oh,
+                             stride_ls, stride_lt, stride_lh, scale_log2, Stamps)),
+        (_probe_producer, (lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, Stamps,
+                           PAGE, BLOCK_N)),
+    ], [1], [PRODUCER_REGS])
+
+
+def report(label: str, stamps: torch.Tensor) -> None:
+    """Each phase's median over programs (µs from the first program's start) and the spread of the late ones."""
+    rel = (stamps - stamps[:, 0].min()).double() / 1e3
+    medians = rel.median(0).values.tolist()
+    spans = (stamps[:, 4] - stamps[:, 0]).double() / 1e3
+    print(f"{label}: {stamps.shape[0]} programs, span median {spans.median():.1f} µs, max {spans.max():.1f}; "
+          f"latest store {rel[:, 4].max():.1f} µs after the first start", flush=True)
+    print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(NAMES, medians)), flush=True)
+    for slot in (0, 2, 3, 4):
+        q = torch.quantile(rel[:, slot], torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+        print(f"   {NAMES[slot]:>10}: min {q[0]:.1f} p10 {q[1]:.1f} p50 {q[2]:.1f} p90 {q[3]:.1f} max {q[4]:.1f}",
+              flush=True)
+
+
+def run16(batch: int, length: int, heads: int = 16) -> None:
+    """The 16-head kernel at the split heuristic's count for this shape (its partials; no combine)."""
+    q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+    latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    pool, table = latent_pool(latent, 64)
+    del latent
+    splits = explain_mla(q, pool, table, lens, v_head_dim=LATENT_DIM, softmax_scale=SOFTMAX_SCALE).num_splits
+    out = torch.empty(splits, batch, heads, LATENT_DIM, dtype=torch.float32, device="cuda")
+    lse = torch.empty(splits, batch, heads, dtype=torch.float32, device="cuda")
+    stamps = torch.zeros(batch * splits, 8, dtype=torch.int64, device="cuda")
+    for _ in range(3):  # the last launch's stamps (the first compiles and warms)
+        stamps.zero_()
+        probe16_kernel[(1, batch, splits)](
+            cache_descriptor(pool, 64, LATENT_DIM), cache_descriptor(pool, 64, 64), q, table, lens, out, lse, stamps,
+            q.stride(0), q.stride(1), table.stride(0), out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
+            lse.stride(1), lse.stride(2), SOFTMAX_SCALE * math.log2(math.e), heads, splits,
+            BLOCK_N=64, PAGE=64, STAGES=2, num_warps=4)
+        torch.cuda.synchronize()
+    report(f"H16 B{batch} L{length} splits {splits}", stamps)
+
+
 def run(batch: int, length: int, heads: int = 128) -> None:
     q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
@@ -137,5 +239,10 @@ def run(batch: int, length: int, heads: int = 128) -> None:
 
 
 if __name__ == "__main__":
-    for batch, length in ((1, 64), (1, 1024), (64, 64), (64, 1024)):
-        run(batch, length)
+    which = sys.argv[1:] or ["128", "16"]
+    if "128" in which:
+        for batch, length in ((1, 64), (1, 1024), (64, 64), (64, 1024)):
+            run(batch, length)
+    if "16" in which:
+        for batch, length in ((64, 1024), (8, 8192), (1, 65536), (32, 4096), (128, 1024)):
+            run16(batch, length)
