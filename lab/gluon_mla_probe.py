@@ -186,7 +186,7 @@ def report(label: str, stamps: torch.Tensor) -> None:
           f"latest store {rel[:, 4].max():.1f} µs after the first start", flush=True)
     print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(NAMES, medians)), flush=True)
     for slot in (0, 2, 3, 4):
-        q = torch.quantile(rel[:, slot], torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
+        q = torch.quantile(rel[:, slot].cpu(), torch.tensor([0.0, 0.1, 0.5, 0.9, 1.0], dtype=torch.float64)).tolist()
         print(f"   {NAMES[slot]:>10}: min {q[0]:.1f} p10 {q[1]:.1f} p50 {q[2]:.1f} p90 {q[3]:.1f} max {q[4]:.1f}",
               flush=True)
 

@@ -5,8 +5,9 @@ Per shape, µs per layer in one CUDA graph over the same distinct layer caches a
 - `full`: the default call (split kernel, then the combine);
 - `split`: the split kernel alone, `combine`: the combine alone (over the partials the split kernel wrote);
 - `read`: a Triton kernel that only sums the same pool's bytes, page by page in the block table's order (the best
-  of 1, 4 or 8 pages per program; `read_storage`: in storage order), `copy`: torch's copy of the same bytes into
-  another buffer (counted read + written);
+  of 1, 4 or 8 pages per program; `read_storage`: in storage order; `read_boxes`: each page in the order of the
+  MLA kernel's TMA boxes, 128 bytes of every row at a time), `copy`: torch's copy of the same bytes into another
+  buffer (counted read + written);
 - `launch`: an empty kernel, per launch (the graph's own cost per kernel).
 Figures as % of the copy ceiling measured in the same run.
 
@@ -49,6 +50,18 @@ def _read_kernel(src, order, out, PAGE_WORDS: tl.constexpr, PAGES: tl.constexpr,
         for step in range(0, PAGE_WORDS, BLOCK):
             acc += tl.load(src + page * PAGE_WORDS + step + tl.arange(0, BLOCK))
     tl.store(out + tl.program_id(0), tl.sum(acc))
+
+
+@triton.jit
+def _read_boxes_kernel(src, order, out, ROWS: tl.constexpr, ROW_WORDS: tl.constexpr, BOX_WORDS: tl.constexpr):
+    """`_read_kernel` at one page per program, in the order the MLA kernel's TMA boxes take a page: 128 bytes
+    of every row (a [ROWS, 64] box of 16-bit values at the row stride), then the next 128 bytes."""
+    page = tl.load(order + tl.program_id(0)).to(tl.int64)
+    rows = tl.arange(0, ROWS)[:, None] * ROW_WORDS + tl.arange(0, BOX_WORDS)[None, :]
+    acc = tl.zeros([ROWS, BOX_WORDS], tl.int32)
+    for box in tl.static_range(ROW_WORDS // BOX_WORDS):
+        acc += tl.load(src + page * ROWS * ROW_WORDS + box * BOX_WORDS + rows)
+    tl.store(out + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0))
 
 
 @triton.jit
@@ -133,6 +146,13 @@ def main() -> None:
                 best = us if best is None else min(best, us)
             row[f"read_{order_name}_us"] = best
         row["read_us"] = row["read_table_us"]
+
+        def read_boxes():
+            for flat in flat_pools:
+                _read_boxes_kernel[(pool.shape[0],)](flat, orders["table"], sums, ROWS=pool.shape[1],
+                                                     ROW_WORDS=page_words // pool.shape[1], BOX_WORDS=32, num_warps=8)
+
+        row["read_boxes_us"] = graph_us(read_boxes, layers, args)
         flats = flat_pools[:16]
         dsts = [torch.empty_like(flat) for flat in flats]
 
@@ -141,7 +161,7 @@ def main() -> None:
                 dst.copy_(flat)
 
         row["copy_us"] = graph_us(copy, len(flats), args)
-        for key in ("full", "split", "read", "read_storage"):
+        for key in ("full", "split", "read", "read_storage", "read_boxes"):
             if f"{key}_us" in row:
                 row[f"{key}_copy_pct"] = 100 * case.bytes / (row[f"{key}_us"] * 1e-6) / 1e12 / copy_tbps
         row["copy_copy_pct"] = 100 * 2 * case.kv_bytes / (row["copy_us"] * 1e-6) / 1e12 / copy_tbps
