@@ -11,7 +11,7 @@ CUDA graph (`ioattn bench decode --mla`'s timing).
                              (a leading w: 64 heads per program on wgmma, s: the same on the seesaw
                              schedule; a trailing /ordered: the split combine in stream order, not by
                              dependent launch; /half: half the split heuristic's count; /staged: O stored
-                             through the ring's stages)
+                             through the ring's stages; /smsN: the heuristic aims for one program per N SMs)
     GLUON_MLA_TRITON=0       leaves out the Triton kernel's rows
     GLUON_MLA_HEADS="16"  GLUON_MLA_SHAPES="64x1024 8x8192 ..."
 """
@@ -47,13 +47,15 @@ def variants(heads: int) -> list:
         wide = seesaw or item.startswith("w")  # 64 heads per program on wgmma, 8 warps
         fields = item.lstrip("ws").split("/")
         ordered, half, staged = ("ordered" in fields[4:], "half" in fields[4:], "staged" in fields[4:])
+        sms = next((int(f[3:]) for f in fields[4:] if f.startswith("sms")), 1)
         n, s, r, p = map(int, fields[:4])
         h, w = (64, 8) if wide else (16, 4)
         name = f"gluon{'-seesaw' if seesaw else '-wgmma' if wide else ''} n{n} s{s} r{r} p{p}"
         name += (" ordered" if ordered else "") + (" half" if half else "") + (" staged" if staged else "")
+        name += f" sms{sms}" if sms > 1 else ""
         out.append((name, MLAConfig(
             block_h=h, block_m=h, block_n=n, num_warps=w, num_stages=s, maxnreg=r or None, programs_per_sm=p,
-            kernel="gluon", seesaw=seesaw, stage_out=staged), False if ordered else None, half))
+            kernel="gluon", seesaw=seesaw, stage_out=staged, sms_per_program=sms), False if ordered else None, half))
     return out
 
 

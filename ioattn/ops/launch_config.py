@@ -15,7 +15,7 @@ def _whole(value) -> bool:
 
 def check_launch_config(config) -> None:
     """Fields by name: tile sizes (`*block*`) powers of two in 16..256 (a dot's smallest tile is 16), warps
-    (`*num_warps`) a power of two up to 16, stages (`*_stages`) 1..8, `maxnreg` 32..255, `programs_per_sm` >= 1,
+    (`*num_warps`) a power of two up to 16, stages (`*_stages`) 1..8, `maxnreg` 32..255, `programs_per_sm` and `sms_per_program` >= 1,
     bool fields bools; a field whose default is None may be None."""
     owner = type(config).__name__
     for field in dataclasses.fields(config):
@@ -32,7 +32,7 @@ def check_launch_config(config) -> None:
             ok, allowed = _whole(value) and 1 <= value <= 8, "an int in 1..8"
         elif name == "maxnreg":
             ok, allowed = _whole(value) and 32 <= value <= 255, "an int in 32..255"
-        elif name == "programs_per_sm":
+        elif name in ("programs_per_sm", "sms_per_program"):
             ok, allowed = _whole(value) and value >= 1, "an int >= 1"
         else:
             continue

@@ -53,6 +53,7 @@ class MLAConfig:
     num_stages: int = 2
     maxnreg: int | None = None
     programs_per_sm: int = 1  # how many an SM holds (shared memory, registers): the split heuristic fills them
+    sms_per_program: int = 1  # the split heuristic fills one program per this many SMs (2: half the SMs)
     kernel: str = "triton"  # "gluon": the sm_90 decode of `ioattn.kernels.gluon_mla` (TMA latent rows, a producer warp)
     seesaw: bool = False  # kernel "gluon" at 64 heads: the two warpgroups on two tiles at once (FlashMLA's schedule)
     stage_out: bool = False  # kernel "gluon" at 64 heads: O stored through the ring's stages, whole rows per warp
@@ -93,9 +94,12 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 # the wgmma kernel's fixed cost (0.64-0.91x torch's bmm at B1 L <= 8k, where the Triton kernel did better).
 # The 64-head kernels store O through the ring's stages in whole rows (stage_out): 8-12% faster at B64 L 1k-8k
 # and 6 µs less fixed cost per program; the 16-head kernel's 16 x 512 O gains nothing from it (within 1%;
-# bench/results/2026-12-07-stage-out-c3-h100).
+# bench/results/2026-12-07-stage-out-c3-h100). The 16-head kernel splits for one program per two SMs: 64 programs
+# stream the latent as fast as 128 and write half the partials, so B64 L1k (no split) and B8 L8k take 7% and 3%
+# less time, the other rows the same (bench/results/2026-12-07-aligned-floor-h100, H100).
 GLUON_MLA_DEFAULTS = {
-    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
+    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon",
+                         sms_per_program=2),
     (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
                           stage_out=True),
 }
@@ -215,7 +219,8 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     head_blocks = cdiv(num_heads, block_h)
     if num_splits == 0:
         programs = block_table.shape[0] * q_tiles * head_blocks
-        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], _sm_count(q.device),
+        sm_count = max(1, _sm_count(q.device) // config.sms_per_program)
+        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], sm_count,
                                        programs_per_sm=config.programs_per_sm)
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
@@ -287,6 +292,8 @@ def _check_call(q, latent_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen
                 "multiple of it and block_n in 16..128")
         require(is_int(config.programs_per_sm) and 1 <= config.programs_per_sm <= 32,
                 f"config.programs_per_sm must be an int in [1, 32], got {config.programs_per_sm!r}")
+        require(is_int(config.sms_per_program) and 1 <= config.sms_per_program <= 32,
+                f"config.sms_per_program must be an int in [1, 32], got {config.sms_per_program!r}")
     require(workspace is None or isinstance(workspace, PagedWorkspace), "workspace must come from mla_workspace or "
             f"be None, got {type(workspace).__name__}")
     if out is not None:

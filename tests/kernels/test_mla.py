@@ -294,6 +294,18 @@ def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
     assert [splits(16, b, 1024) for b in (32, 64, 128)] == [8, 4, 2]
     assert [splits(128, b, 8192) for b in (64, 128)] == [1, 1]
     assert splits(16, 1, 128) == 2  # at most one split per 64 keys
+
+    def gluon_splits(batch, seqlen, sms_per_program):  # the 16-head Gluon default's tiles, on 132 SMs
+        table = torch.zeros(batch, seqlen // 64, dtype=torch.int32)
+        config = KernelConfig(block_h=16, block_m=16, block_n=64, sms_per_program=sms_per_program)
+        return mla.plan_mla(torch.zeros(batch, 16, 576, dtype=torch.bfloat16), cache, table, decode=True,
+                            max_seqlen_q=1, v_head_dim=512, config=config).num_splits
+
+    assert [gluon_splits(64, 1024, n) for n in (1, 2, 4)] == [2, 1, 1]
+    assert [gluon_splits(8, 8192, n) for n in (1, 2, 4)] == [16, 8, 4]
+    assert mla.GLUON_MLA_DEFAULTS[(16, 512)].sms_per_program == 2
+    with pytest.raises(ValueError, match="sms_per_program"):
+        KernelConfig(sms_per_program=0)
     with pytest.raises(ValueError, match="programs_per_sm"):
         table = torch.zeros(1, 1, dtype=torch.int32)
         mla_paged_attention(torch.zeros(1, 16, 576), cache, table, torch.ones(1, dtype=torch.int32),
