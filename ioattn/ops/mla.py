@@ -94,12 +94,9 @@ def default_config(num_heads: int, v_head_dim: int, dtype: torch.dtype, *, decod
 # the wgmma kernel's fixed cost (0.64-0.91x torch's bmm at B1 L <= 8k, where the Triton kernel did better).
 # The 64-head kernels store O through the ring's stages in whole rows (stage_out): 8-12% faster at B64 L 1k-8k
 # and 6 µs less fixed cost per program; the 16-head kernel's 16 x 512 O gains nothing from it (within 1%;
-# bench/results/2026-12-07-stage-out-c3-h100). The 16-head kernel splits for one program per two SMs: 64 programs
-# stream the latent as fast as 128 and write half the partials, so B64 L1k (no split) and B8 L8k take 7% and 3%
-# less time, the other rows the same (bench/results/2026-12-07-aligned-floor-h100, H100).
+# bench/results/2026-12-07-stage-out-c3-h100).
 GLUON_MLA_DEFAULTS = {
-    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon",
-                         sms_per_program=2),
+    (16, 512): MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
     (128, 512): MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon",
                           stage_out=True),
 }
@@ -108,6 +105,11 @@ GLUON_MLA_MIN_BATCH = {(16, 512): 1, (128, 512): 8}
 # capacity over the split count): 1.06-1.20x the lockstep schedule from 4096, equal at 2048, 0.76-0.96x below
 # (its fixed cost per program over few tiles; bench/results/2026-12-07-mla-seesaw-fwd-band-h100, H100).
 SEESAW_MIN_KEYS = 2048
+# The 16-head Gluon default splits for one program per two SMs where each program then walks at most this many keys:
+# there 64 programs stream the latent as fast as 128 and write half the partials (B64 L1k, no split: 35.8 -> 32.5
+# µs; B8 L1k-8k 3-10% faster); longer programs lose 1-2% on half the SMs (B32-64 L 4k-32k). H100 sweep in
+# bench/results/2026-12-07-aligned-floor-h100 (call4).
+HALF_GRID_MAX_KEYS = 1024
 
 
 def gluon_mla_default(q, latent_cache, v_head_dim: int, *, decode: bool) -> tuple[MLAConfig | None, str]:
@@ -219,9 +221,16 @@ def plan_mla(q, latent_cache, block_table, *, decode: bool, max_seqlen_q: int, v
     head_blocks = cdiv(num_heads, block_h)
     if num_splits == 0:
         programs = block_table.shape[0] * q_tiles * head_blocks
-        sm_count = max(1, _sm_count(q.device) // config.sms_per_program)
-        num_splits = choose_num_splits(programs, block_table.shape[1] * latent_cache.shape[1], sm_count,
+        capacity = block_table.shape[1] * latent_cache.shape[1]
+        sms = _sm_count(q.device)
+        num_splits = choose_num_splits(programs, capacity, max(1, sms // config.sms_per_program),
                                        programs_per_sm=config.programs_per_sm)
+        if default_gluon and block_h == 16:
+            half = choose_num_splits(programs, capacity, max(1, sms // 2), programs_per_sm=config.programs_per_sm)
+            if half < num_splits and capacity // half <= HALF_GRID_MAX_KEYS:
+                num_splits = half
+                why += (f"; one program per two SMs: {capacity // half} keys per program (up to "
+                        f"{HALF_GRID_MAX_KEYS}: HALF_GRID_MAX_KEYS)")
         if workspace is not None:  # stay within the caller's scratch: fewer splits, or none for a larger batch
             fits = q.shape[0] <= workspace.partial_out.shape[1]
             num_splits = min(num_splits, workspace.partial_out.shape[0]) if fits else 1

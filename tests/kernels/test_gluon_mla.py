@@ -229,6 +229,13 @@ def test_default_plan_takes_gluon_at_16_and_128_heads_on_sm90():
         assert ("wgmma, seesaw" in str(plan)) == seesaw and plan.config.seesaw == seesaw, (splits, str(plan))
     explicit = explain_mla(q, cache, wide, lens[:8], v_head_dim=512, config=GLUON["wgmma"])
     assert "seesaw" not in str(explicit), str(explicit)  # an explicit config is taken as given
+    # 16 heads split for one program per two SMs where each then walks <= HALF_GRID_MAX_KEYS keys (960 here)
+    q = torch.randn(8, 16, 576, dtype=torch.bfloat16, device="cuda")
+    plan = explain_mla(q, cache, table[:8], lens[:8], v_head_dim=512)
+    half = max(1, min(torch.cuda.get_device_properties(0).multi_processor_count // 2 // 8, table.shape[1]))
+    assert (plan.num_splits == half and "one program per two SMs" in str(plan)) == sm90, str(plan)
+    if sm90:  # an explicit config is taken as given: one program per SM
+        assert explain_mla(q, cache, table[:8], lens[:8], v_head_dim=512, config=GLUON["default"]).num_splits > half
     q = torch.randn(2, 16, 576, dtype=torch.bfloat16, device="cuda")
     multi = str(explain_mla(q, cache, table[:2], lens[:2], v_head_dim=512, cu_seqlens_q=torch.tensor(
         [0, 1, 2], dtype=torch.int32, device="cuda"), max_seqlen_q=1))

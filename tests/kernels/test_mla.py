@@ -303,7 +303,6 @@ def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
 
     assert [gluon_splits(64, 1024, n) for n in (1, 2, 4)] == [2, 1, 1]
     assert [gluon_splits(8, 8192, n) for n in (1, 2, 4)] == [16, 8, 4]
-    assert mla.GLUON_MLA_DEFAULTS[(16, 512)].sms_per_program == 2
     with pytest.raises(ValueError, match="sms_per_program"):
         KernelConfig(sms_per_program=0)
     with pytest.raises(ValueError, match="programs_per_sm"):
