@@ -42,6 +42,19 @@ def _stamp(Stamps, slot: gl.constexpr, after):
 
 
 @gluon.jit
+def _tile(dtype: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr):
+    """A rows x cols shared-memory tile in the layout wgmma and TMA take."""
+    return gl.allocate_shared_memory(dtype, [rows, cols], gl.NVMMASharedLayout.get_default_for([rows, cols], dtype))
+
+
+@gluon.jit
+def _ring(dtype: gl.constexpr, stages: gl.constexpr, rows: gl.constexpr, cols: gl.constexpr):
+    """`stages` such tiles."""
+    return gl.allocate_shared_memory(dtype, [stages, rows, cols],
+                                     gl.NVMMASharedLayout.get_default_for([rows, cols], dtype))
+
+
+@gluon.jit
 def _probe_producer(lat_desc, rope_desc, lat_smem, rope_smem, ready, empty, table_row, seq_len, lo, hi, Stamps,
                     PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
     _stamp(Stamps, 5, seq_len)
@@ -95,16 +108,9 @@ def probe_kernel(lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse, Stamps
     head_block = gl.program_id(0)
     seq = gl.program_id(1)
     seq_len, lo, hi = split_tiles(Seq_lens, seq, 0, 1, BLOCK_N)
-    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
-    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
-                                      gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, ROPE], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [WIDE_HEADS, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, BLOCK_N], dtype))
+    lat_smem, rope_smem = _ring(dtype, STAGES, BLOCK_N, LATENT), _ring(dtype, STAGES, BLOCK_N, ROPE)
+    q_lat, q_rope = _tile(dtype, WIDE_HEADS, LATENT), _tile(dtype, WIDE_HEADS, ROPE)
+    p_smem = _tile(dtype, WIDE_HEADS, BLOCK_N)
     ready, empty = ring_barriers(STAGES)
     table_row = Block_table + seq.to(gl.int64) * stride_table
     gl.warp_specialize([
@@ -156,16 +162,9 @@ def probe16_kernel(lat_desc, rope_desc, Q, Block_table, Seq_lens, Out, Lse, Stam
     seq = gl.program_id(1)
     split = gl.program_id(2)
     seq_len, lo, hi = split_tiles(Seq_lens, seq, split, num_splits, BLOCK_N)
-    lat_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT],
-                                         gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype))
-    rope_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE],
-                                          gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype))
-    q_lat = gl.allocate_shared_memory(dtype, [BLOCK_M16, LATENT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M16, LATENT], dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_M16, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M16, ROPE], dtype))
-    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_M16, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M16, BLOCK_N], dtype))
+    lat_smem, rope_smem = _ring(dtype, STAGES, BLOCK_N, LATENT), _ring(dtype, STAGES, BLOCK_N, ROPE)
+    q_lat, q_rope = _tile(dtype, BLOCK_M16, LATENT), _tile(dtype, BLOCK_M16, ROPE)
+    p_smem = _tile(dtype, BLOCK_M16, BLOCK_N)
     ready, empty = ring_barriers(STAGES)
     table_row = Block_table + seq.to(gl.int64) * stride_table
     gl.warp_specialize([
