@@ -15,8 +15,8 @@ def _whole(value) -> bool:
 
 def check_launch_config(config) -> None:
     """Fields by name: tile sizes (`*block*`) powers of two in 16..256 (a dot's smallest tile is 16), warps
-    (`*num_warps`) a power of two up to 16, stages (`*_stages`) 1..8, `maxnreg` 32..255, `programs_per_sm` and `sms_per_program` >= 1,
-    bool fields bools; a field whose default is None may be None."""
+    (`*num_warps`) a power of two up to 16, stages (`*_stages`) 1..8, `maxnreg` 32..255, `programs_per_sm` and
+    `sms_per_program` >= 1, bool fields bools; a field whose default is None may be None."""
     owner = type(config).__name__
     for field in dataclasses.fields(config):
         name, value = field.name, getattr(config, field.name)
