@@ -3,7 +3,9 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
-#   aligned: GPU tests of the Gluon forward (causal query blocks end-aligned), the fp8 forward and the dispatch;
+#   halfgrid: GPU tests of the MLA kernels and plans (the 16-head half grid), `bench decode --mla` at 16
+#           heads with the defaults                                                                    <= 190 s
+#   aligned: GPU tests of the Gluon forward, the fp8 forward and the dispatch (first run for 223d9bc);
 #           causal D 64/128 at N 2k-4k beside cuDNN                                                    <= 290 s
 #   floor:  16-head MLA at the bar's smallest rows: split kernel, combine, a read and a copy of the same
 #           bytes (lab/mla_floor.py)                                                                   <= 105 s
@@ -184,7 +186,7 @@ harness_gap() {
 }
 aligned_blocks() {
     source "$lab/device_log.sh" aligned.log
-    step "GPU tests: the Gluon forward (causal query blocks end-aligned), the fp8 forward, the dispatch"
+    step "GPU tests: the Gluon forward, the fp8 forward, the dispatch"
     gpu_tests 200 8 gpu-tests.txt tests/kernels/test_gluon_fwd.py tests/kernels/test_fp8_forward.py \
         tests/ops/test_dispatch.py tests/ops/test_attention_fwd.py
     step "causal N 2k-4k: the Gluon forward called directly beside cuDNN"
@@ -195,6 +197,15 @@ mla_floor() {
     source "$lab/device_log.sh" floor.log
     step "16-head MLA at the bar's smallest rows: the split kernel, the combine, a read and a copy of the same bytes"
     timeout 100 python3 lab/mla_floor.py 2>&1 | grep -v Warning | cut -c1-400
+}
+half_grid() {
+    source "$lab/device_log.sh" halfgrid.log
+    step "GPU tests of the MLA kernels and plans (the 16-head half grid, HALF_GRID_MAX_KEYS)"
+    gpu_tests 110 8 gpu-tests.txt tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py
+    step "ioattn bench decode --mla, 16 heads, the defaults"
+    timeout 70 python3 -m ioattn.cli bench decode --mla --heads 16 --backends ioattn-mla --budget-s 55 \
+        --json "$OUT/mla-decode.json" > "$OUT/mla-decode.txt" 2>&1
+    echo "bench exit $?"; grep -E "^Bar|^\| 16" "$OUT/mla-decode.txt" | cut -c1-160 | tail -24
 }
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
@@ -209,6 +220,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
+run_part halfgrid 190 bash -c "$(declare -f half_grid); lab=$lab; half_grid"
 run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
 run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
