@@ -305,6 +305,10 @@ def test_default_config_and_split_heuristic_follow_the_tuning_run(monkeypatch):
     assert [gluon_splits(8, 8192, n) for n in (1, 2, 4)] == [16, 8, 4]
     with pytest.raises(ValueError, match="sms_per_program"):
         KernelConfig(sms_per_program=0)
+    with pytest.raises(ValueError, match=r"sms_per_program must be an int in \[1, 32\]"):
+        mla_paged_attention(torch.zeros(1, 16, 576), cache, torch.zeros(1, 1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), v_head_dim=512,
+                            config=KernelConfig(block_h=16, block_m=16, sms_per_program=33))
     with pytest.raises(ValueError, match="programs_per_sm"):
         table = torch.zeros(1, 1, dtype=torch.int32)
         mla_paged_attention(torch.zeros(1, 16, 576), cache, table, torch.ones(1, dtype=torch.int32),

@@ -20,7 +20,9 @@ def test_launch_configs_refuse_what_the_kernels_cannot_build():
              (FwdConfig, dict(block_m=64, block_n=64, num_warps=4, num_stages=2), dict(tma=1)),
              (BwdConfig, dict(kv_block_n=64, kv_block_m=32, q_block_m=32, q_block_n=64, num_warps=4, num_stages=2,
                               atomic_dq=False), dict(dq_num_warps=6)),
-             (MLAConfig, {}, dict(block_h=12)), (MLAConfig, {}, dict(programs_per_sm=0))]
+             (MLAConfig, {}, dict(block_h=12)), (MLAConfig, {}, dict(programs_per_sm=0)),
+             (MLAConfig, {}, dict(sms_per_program=0)), (MLAConfig, {}, dict(sms_per_program=2.0)),
+             (MLAConfig, {}, dict(sms_per_program=True))]
     for config_type, base, bad in cases:
         with pytest.raises(ValueError, match=f"{config_type.__name__}.{next(iter(bad))}"):
             config_type(**{**base, **bad})
