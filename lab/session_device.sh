@@ -5,6 +5,8 @@
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   halfgrid: GPU tests of the MLA kernels and plans (the 16-head half grid), `bench decode --mla` at 16
 #           heads with the defaults                                                                    <= 190 s
+#   suite:  every GPU test of the suite (`pytest -m gpu`): kernels and ops on 12 workers, the rest on 4 with the
+#           server's wheels from .whl/ when carried (lab/serve_h200.sh lists them)                      <= 280 s
 #   aligned: GPU tests of the Gluon forward, the fp8 forward and the dispatch (first run for 223d9bc);
 #           causal D 64/128 at N 2k-4k beside cuDNN                                                    <= 290 s
 #   floor:  16-head MLA at the bar's smallest rows: split kernel, combine, a read and a copy of the same
@@ -207,6 +209,17 @@ half_grid() {
         --json "$OUT/mla-decode.json" > "$OUT/mla-decode.txt" 2>&1
     echo "bench exit $?"; grep -E "^Bar|^\| 16" "$OUT/mla-decode.txt" | cut -c1-160 | tail -24
 }
+gpu_suite() {
+    source "$lab/device_log.sh" suite.log
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    fi
+    step "GPU tests: kernels and ops"
+    gpu_tests 160 12 gpu-tests-kernels-ops.txt tests/kernels tests/ops
+    step "GPU tests: the rest (engine, models, bench, demo; 4 workers: pool sizing reads free memory)"
+    gpu_tests 110 4 gpu-tests-rest.txt tests --ignore=tests/kernels --ignore=tests/ops
+}
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
     step "ioattn bench prefill beside torch cuDNN"
@@ -221,6 +234,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part halfgrid 190 bash -c "$(declare -f half_grid); lab=$lab; half_grid"
+run_part suite 280 bash -c "$(declare -f gpu_suite); lab=$lab; gpu_suite"
 run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
 run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
