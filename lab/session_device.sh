@@ -5,6 +5,8 @@
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
 #   halfgrid: GPU tests of the MLA kernels and plans (the 16-head half grid), `bench decode --mla` at 16
 #           heads with the defaults                                                                    <= 190 s
+#   probe128: the 64-head lockstep and seesaw kernels with time stamps per phase (lab/gluon_mla_probe.py), and
+#           64 heads at B 128 beside 128 heads at B 64 (the same programs; unshared against shared latent rows) <= 110 s
 #   suite:  every GPU test of the suite (`pytest -m gpu`): kernels and ops on 12 workers, the rest on 4 with the
 #           server's wheels from .whl/ when carried (lab/serve_h200.sh lists them)                      <= 280 s
 #   aligned: GPU tests of the Gluon forward, the fp8 forward and the dispatch (first run for 223d9bc);
@@ -209,6 +211,17 @@ half_grid() {
         --json "$OUT/mla-decode.json" > "$OUT/mla-decode.txt" 2>&1
     echo "bench exit $?"; grep -E "^Bar|^\| 16" "$OUT/mla-decode.txt" | cut -c1-160 | tail -24
 }
+probe_128() {
+    source "$lab/device_log.sh" probe128.log
+    step "lab/gluon_mla_probe.py 128 seesaw"
+    timeout 50 python3 "$lab/gluon_mla_probe.py" 128 seesaw > "$OUT/probe.txt" 2>&1
+    echo "probe exit $?"; cat "$OUT/probe.txt" | cut -c1-200 | tail -40
+    step "64 heads at B 128 beside 128 heads at B 64, lockstep and seesaw, O staged"
+    GLUON_MLA="w64/2/0/1/staged s64/2/0/1/staged" GLUON_MLA_TRITON=0 GLUON_MLA_HEADS="64 128" \
+        GLUON_MLA_SHAPES="128x1024 64x1024 64x128 128x128" timeout 50 python3 "$lab/gluon_mla.py" \
+        > "$OUT/shared-rows.txt" 2>&1
+    echo "lab exit $?"; grep -E "^H|ceiling|rror" "$OUT/shared-rows.txt" | cut -c1-200 | tail -24
+}
 gpu_suite() {
     source "$lab/device_log.sh" suite.log
     if ls .whl/*.whl > /dev/null 2>&1; then
@@ -234,6 +247,7 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part halfgrid 190 bash -c "$(declare -f half_grid); lab=$lab; half_grid"
+run_part probe128 110 bash -c "$(declare -f probe_128); lab=$lab; probe_128"
 run_part suite 280 bash -c "$(declare -f gpu_suite); lab=$lab; gpu_suite"
 run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
 run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
