@@ -7,6 +7,7 @@
 #           heads with the defaults                                                                    <= 190 s
 #   probe128: the 64-head lockstep and seesaw kernels with time stamps per phase (lab/gluon_mla_probe.py), and
 #           64 heads at B 128 beside 128 heads at B 64 (the same programs; unshared against shared latent rows) <= 110 s
+#   mla16:  halfgrid's `bench decode --mla` at 16 heads alone (the suite holds its tests)                <= 75 s
 #   suite:  every GPU test of the suite (`pytest -m gpu`): kernels and ops on 12 workers, the rest on 4 with the
 #           server's wheels from .whl/ when carried (lab/serve_h200.sh lists them)                      <= 280 s
 #   aligned: GPU tests of the Gluon forward, the fp8 forward and the dispatch (first run for 223d9bc);
@@ -206,10 +207,17 @@ half_grid() {
     source "$lab/device_log.sh" halfgrid.log
     step "GPU tests of the MLA kernels and plans (the 16-head half grid, HALF_GRID_MAX_KEYS)"
     gpu_tests 110 8 gpu-tests.txt tests/kernels/test_gluon_mla.py tests/kernels/test_mla.py
+    mla16_bench
+}
+mla16_bench() {
     step "ioattn bench decode --mla, 16 heads, the defaults"
     timeout 70 python3 -m ioattn.cli bench decode --mla --heads 16 --backends ioattn-mla --budget-s 55 \
         --json "$OUT/mla-decode.json" > "$OUT/mla-decode.txt" 2>&1
     echo "bench exit $?"; grep -E "^Bar|^\| 16" "$OUT/mla-decode.txt" | cut -c1-160 | tail -24
+}
+mla16_part() {
+    source "$lab/device_log.sh" mla16.log
+    mla16_bench
 }
 probe_128() {
     source "$lab/device_log.sh" probe128.log
@@ -246,9 +254,10 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
-run_part halfgrid 190 bash -c "$(declare -f half_grid); lab=$lab; half_grid"
+run_part halfgrid 190 bash -c "$(declare -f half_grid mla16_bench); lab=$lab; half_grid"
 run_part probe128 110 bash -c "$(declare -f probe_128); lab=$lab; probe_128"
 run_part suite 280 bash -c "$(declare -f gpu_suite); lab=$lab; gpu_suite"
+run_part mla16 75 bash -c "$(declare -f mla16_part mla16_bench); lab=$lab; mla16_part"
 run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
 run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
