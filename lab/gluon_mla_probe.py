@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
 from ioattn.kernels.gluon_mla import (
     CHUNK, SEESAW_REGS, SEESAW_TILE, SYNC_L, SYNC_Q, WIDE_HEADS, _attend_tile, _page_blocks, _producer, _publish,
-    _seesaw_pair, _seesaw_producer, _stage_q, _store_out, _wide_tile,
+    _seesaw_pair, _seesaw_producer, _stage_q, _store_out, _wide_tile, seesaw_buffers,
 )
 from ioattn.kernels.gluon_paged import (
     PRODUCER_REGS, finish_row_sums, finish_rows, ring_barriers, split_tiles, store_rows,
@@ -242,34 +242,11 @@ def probe_seesaw_kernel(desc, Q, Block_table, Seq_lens, Out, Lse, Stamps, stride
                         stride_ot, stride_oh, stride_lt, stride_lh, scale_log2, num_heads, LATENT: gl.constexpr,
                         PAGE: gl.constexpr):
     """The seesaw 64-head kernel (`gluon_mla._seesaw_kernel`'s buffers) with stamps; desc: 64-column boxes."""
-    dtype: gl.constexpr = desc.dtype
     _stamp(Stamps, 0, gl.program_id(0))
     head_block = gl.program_id(0)
     seq = gl.program_id(1)
     seq_len, lo, hi = split_tiles(Seq_lens, seq, 0, 1, SEESAW_TILE)
-    CHUNKS: gl.constexpr = LATENT // CHUNK
-    chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SEESAW_TILE, CHUNK], dtype)
-    lat_smem = _ring(dtype, 2, SEESAW_TILE, LATENT)
-    rope_smem = gl.allocate_shared_memory(dtype, [2, SEESAW_TILE, CHUNK], chunk_layout)
-    q_lat = _tile(dtype, WIDE_HEADS, LATENT)
-    q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, CHUNK], chunk_layout)
-    row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    xchg = (gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
-            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
-            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
-            gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout))
-    ready0 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(CHUNKS + 1):
-        mbarrier.init(ready0.index(i), count=1)
-        mbarrier.init(ready1.index(i), count=1)
-    ready = (ready0, ready1)
-    for i in gl.static_range(4):
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(5):
-        mbarrier.init(sync.index(i), count=2 if (i == SYNC_Q) or (i == SYNC_L) else 1)
+    lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync = seesaw_buffers(desc.dtype, LATENT)
     table_row = Block_table + seq.to(gl.int64) * stride_table
     gl.warp_specialize([
         (_probe_seesaw_consumer, (0, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
@@ -319,7 +296,9 @@ def run16(batch: int, length: int, heads: int = 16) -> None:
     report(f"H16 B{batch} L{length} splits {splits}", stamps)
 
 
-def run(batch: int, length: int, heads: int = 128) -> None:
+def run_wide(batch: int, length: int, seesaw: bool, heads: int = 128) -> None:
+    """A 64-head kernel (lockstep, or the seesaw: L a multiple of 128), one split: its output against float64, then
+    each phase's median over programs."""
     q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
@@ -328,47 +307,23 @@ def run(batch: int, length: int, heads: int = 128) -> None:
     lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
     grid = (math.ceil(heads / 64), batch)
     stamps = torch.zeros(grid[0] * grid[1], 16, dtype=torch.int64, device="cuda")
+    rest = (q, table, lens, out, lse, stamps, q.stride(0), q.stride(1), table.stride(0), out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1), SOFTMAX_SCALE * math.log2(math.e), heads)
     for _ in range(3):  # the last launch's stamps (the first compiles and warms)
         stamps.zero_()
-        probe_kernel[grid](cache_descriptor(pool, 64, LATENT_DIM), cache_descriptor(pool, 64, 64), q, table, lens,
-                           out, lse, stamps, q.stride(0), q.stride(1), table.stride(0), out.stride(0),
-                           out.stride(1), lse.stride(0), lse.stride(1), SOFTMAX_SCALE * math.log2(math.e), heads,
-                           BLOCK_N=64, PAGE=64, STAGES=2, num_warps=8)
+        if seesaw:
+            probe_seesaw_kernel[grid](cache_descriptor(pool, 64, 64), *rest, LATENT=LATENT_DIM, PAGE=64, num_warps=4)
+        else:
+            probe_kernel[grid](cache_descriptor(pool, 64, LATENT_DIM), cache_descriptor(pool, 64, 64), *rest,
+                               BLOCK_N=64, PAGE=64, STAGES=2, num_warps=8)
         torch.cuda.synchronize()
-    check_against_reference(q, latent, out, f"lockstep B{batch} L{length}")
-    stamps = stamps[:, :len(NAMES)]
-    ref_from = stamps[:, 0].min()
-    rel = (stamps - ref_from).double() / 1e3  # µs from the first program's start
+    label = f"{'seesaw' if seesaw else 'lockstep'} B{batch} L{length}"
+    check_against_reference(q, latent, out, label)
+    names, stored = (SEESAW_NAMES, [4, 11]) if seesaw else (NAMES, [4])
+    rel = (stamps[:, :len(names)] - stamps[:, 0].min()).double() / 1e3  # µs from the first program's start
     medians = rel.median(0).values.tolist()
-    spans = (stamps[:, 4] - stamps[:, 0]).double() / 1e3
-    print(f"B{batch} L{length}: program span median {spans.median():.1f} µs, max {spans.max():.1f}; latest store "
-          f"{rel[:, 4].max():.1f} µs after the first start", flush=True)
-    print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(NAMES, medians)), flush=True)
-
-
-def run_seesaw(batch: int, length: int, heads: int = 128) -> None:
-    """The seesaw kernel (L a multiple of 128, one split): each warpgroup's phases and the producer's."""
-    q = torch.randn(batch, heads, ROW_DIM, dtype=torch.bfloat16, device="cuda")
-    latent = torch.randn(batch, length, ROW_DIM, dtype=torch.bfloat16, device="cuda")
-    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
-    pool, table = latent_pool(latent, 64)
-    out = torch.empty(batch, heads, LATENT_DIM, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(batch, heads, dtype=torch.float32, device="cuda")
-    grid = (math.ceil(heads / 64), batch)
-    stamps = torch.zeros(grid[0] * grid[1], 16, dtype=torch.int64, device="cuda")
-    for _ in range(3):  # the last launch's stamps (the first compiles and warms)
-        stamps.zero_()
-        probe_seesaw_kernel[grid](cache_descriptor(pool, 64, 64), q, table, lens, out, lse, stamps, q.stride(0),
-                                  q.stride(1), table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-                                  lse.stride(1), SOFTMAX_SCALE * math.log2(math.e), heads, LATENT=LATENT_DIM,
-                                  PAGE=64, num_warps=4)
-        torch.cuda.synchronize()
-    check_against_reference(q, latent, out, f"seesaw B{batch} L{length}")
-    rel = (stamps[:, :len(SEESAW_NAMES)] - stamps[:, 0].min()).double() / 1e3
-    medians = rel.median(0).values.tolist()
-    print(f"seesaw B{batch} L{length}: latest store {rel[:, [4, 11]].max():.1f} µs after the first start; medians:",
-          flush=True)
-    print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(SEESAW_NAMES, medians) if n != "-"), flush=True)
+    print(f"{label}: latest store {rel[:, stored].max():.1f} µs after the first start; medians:", flush=True)
+    print("   " + "  ".join(f"{n} {m:.1f}" for n, m in zip(names, medians) if n != "-"), flush=True)
 
 
 def check_against_reference(q, latent, out, label: str) -> None:
@@ -387,10 +342,10 @@ if __name__ == "__main__":
     which = sys.argv[1:] or ["128", "16"]
     if "128" in which:
         for batch, length in ((1, 64), (1, 1024), (64, 64), (64, 1024)):
-            run(batch, length)
+            run_wide(batch, length, seesaw=False)
     if "seesaw" in which:
         for batch, length in ((1, 128), (1, 1024), (64, 128), (64, 1024), (64, 4096)):
-            run_seesaw(batch, length)
+            run_wide(batch, length, seesaw=True)
     if "16" in which:
         for batch, length in ((64, 1024), (8, 8192), (1, 65536), (32, 4096), (128, 1024)):
             run16(batch, length)

@@ -552,11 +552,10 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
 
 
 @gluon.jit
-def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table, stride_qt,
-                   stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
-                   scale_log2, LATENT: gl.constexpr, PAGE: gl.constexpr, STAGE_OUT: gl.constexpr):
-    """The seesaw kernel's buffers and partitions (`gluon_mla_decode_kernel` with SEESAW)."""
-    dtype: gl.constexpr = desc.dtype
+def seesaw_buffers(dtype: gl.constexpr, LATENT: gl.constexpr):
+    """The seesaw kernel's shared memory, its barriers initialised: the two stages (latent, RoPE), Q, the row
+    vectors between the warpgroups (xchg: m0, m1, then each half's row sums), a `ready` barrier per 64-column
+    chunk of each stage and its RoPE part, the `empty` and the `sync` barriers."""
     CHUNKS: gl.constexpr = LATENT // CHUNK
     chunk_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SEESAW_TILE, CHUNK], dtype)
     lat_smem = gl.allocate_shared_memory(dtype, [2, SEESAW_TILE, LATENT],
@@ -565,13 +564,12 @@ def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, n
     q_lat = gl.allocate_shared_memory(dtype, [WIDE_HEADS, LATENT],
                                       gl.NVMMASharedLayout.get_default_for([WIDE_HEADS, LATENT], dtype))
     q_rope = gl.allocate_shared_memory(dtype, [WIDE_HEADS, CHUNK], chunk_layout)
-    # row vectors between the warpgroups: m0, m1, then each half's row sums
     row_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     xchg = (gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
             gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
             gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout),
             gl.allocate_shared_memory(gl.float32, [WIDE_HEADS], row_layout))
-    # a `ready` barrier per 64-column chunk of each stage (and its RoPE part); allocations of a power of two
+    # allocations of a power of two
     ready0 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
     ready1 = gl.allocate_shared_memory(gl.int64, [2 * CHUNKS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
@@ -579,11 +577,19 @@ def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, n
     for i in gl.static_range(CHUNKS + 1):
         mbarrier.init(ready0.index(i), count=1)
         mbarrier.init(ready1.index(i), count=1)
-    ready = (ready0, ready1)
     for i in gl.static_range(4):
         mbarrier.init(empty.index(i), count=1)
     for i in gl.static_range(5):
         mbarrier.init(sync.index(i), count=2 if (i == SYNC_Q) or (i == SYNC_L) else 1)
+    return lat_smem, rope_smem, q_lat, q_rope, xchg, (ready0, ready1), empty, sync
+
+
+@gluon.jit
+def _seesaw_kernel(desc, Q, Out, Lse, seq, head_block, split, seq_len, lo, hi, num_heads, Block_table, stride_qt,
+                   stride_qh, stride_table, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+                   scale_log2, LATENT: gl.constexpr, PAGE: gl.constexpr, STAGE_OUT: gl.constexpr):
+    """The seesaw kernel's buffers and partitions (`gluon_mla_decode_kernel` with SEESAW)."""
+    lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync = seesaw_buffers(desc.dtype, LATENT)
     table_row = Block_table + seq.to(gl.int64) * stride_table
     gl.warp_specialize([
         (_seesaw_consumer, (0, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync, seq,
