@@ -255,9 +255,9 @@ else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
 run_part halfgrid 190 bash -c "$(declare -f half_grid mla16_bench); lab=$lab; half_grid"
-run_part probe128 110 bash -c "$(declare -f probe_128); lab=$lab; probe_128"
 run_part suite 280 bash -c "$(declare -f gpu_suite); lab=$lab; gpu_suite"
 run_part mla16 75 bash -c "$(declare -f mla16_part mla16_bench); lab=$lab; mla16_part"
+run_part probe128 110 bash -c "$(declare -f probe_128); lab=$lab; probe_128"
 run_part aligned 290 bash -c "$(declare -f aligned_blocks); lab=$lab; aligned_blocks"
 run_part floor 105 bash -c "$(declare -f mla_floor); lab=$lab; mla_floor"
 run_part dynamic 260 bash -c "$(declare -f dynamic_schedule); lab=$lab; dynamic_schedule"
