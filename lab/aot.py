@@ -64,7 +64,7 @@ def resources(kernel) -> str:
 def sass_opcodes(kernel) -> collections.Counter:
     """The kernel's SASS instructions counted by opcode (predicates and modifiers dropped): where the
     per-element work goes, e.g. F2F / F2FP / PRMT for conversions, LDSM against LDS for shared-memory reads."""
-    lines = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", cuobjdump(kernel, "-sass"))
+    lines = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", cuobjdump(kernel, "-sass"))
     return collections.Counter(lines)
 
 
