@@ -371,11 +371,14 @@ def run_block_copy(case, device):
     return _compare("dst", dst.float(), want, torch.float32)
 
 
-# mla_paged_attention's config=: the default, an explicit Triton tile, the Gluon decode at 16 and at 64 heads per
-# program (sm_90, latent a multiple of 64 with a RoPE part of 64 only), and a Gluon tile it cannot build
+# mla_paged_attention's config=: the default, an explicit Triton tile (also split for half the SMs), the Gluon
+# decode at 16 and at 64 heads per program (sm_90, latent a multiple of 64 with a RoPE part of 64 only), and a
+# Gluon tile it cannot build
 MLA_CONFIGS = {
     None: None,
     "triton": MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1),
+    # the split heuristic aiming at one program per two SMs
+    "triton_half_grid": MLAConfig(block_h=16, block_m=16, block_n=16, num_warps=4, num_stages=1, sms_per_program=2),
     "gluon": MLAConfig(block_h=16, block_m=16, block_n=64, num_warps=4, num_stages=2, kernel="gluon"),
     "gluon_wgmma": MLAConfig(block_h=64, block_m=64, block_n=64, num_warps=8, num_stages=2, kernel="gluon"),
     "gluon_block_n_16": MLAConfig(block_h=16, block_m=16, block_n=16, kernel="gluon"),

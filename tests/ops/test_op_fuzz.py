@@ -211,7 +211,7 @@ def mla_cases(draw):
         latent=st.sampled_from([32, 48]), rope=st.sampled_from([8, 16]), v_head_dim=st.just("latent"),
         q_extra=st.just(0), scale=SCALES, splits=st.sampled_from([0, 1, 3, 64]), table=st.just("ok"),
         lens=st.just("ok"), cu_q=st.just("ok"), extra_query=st.just(False), backend=BACKENDS,
-        config=st.sampled_from([None, "triton"]),
+        config=st.sampled_from([None, "triton", "triton_half_grid"]),
     ), dict(dtype=BAD_DTYPES, backend=BAD_BACKENDS, page=st.sampled_from([3, 512]), scale=BAD_SCALES,
             # the Gluon MLA decode takes none of these latents (nor a CPU); block_n 16, or a seesaw of 32-key
             # tiles, it cannot build at all
