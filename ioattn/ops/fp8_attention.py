@@ -44,8 +44,10 @@ from ioattn.ops.fp8 import FP8_MIN_CAPABILITY, fp8_max, kv_rotation
 FP8_FORWARD_DTYPE = torch.float8_e4m3fn
 FP8_HEAD_DIMS = (64, 128, 256)
 DEFAULT_SCALE_BLOCK = 128
-# Scale blocks are whole K/V tiles of the kernel (its BLOCK_N is at most 128).
+# Scale blocks are whole K/V tiles of the kernel: the Triton kernel's BLOCK_N is at most 128; a Gluon config with
+# 256-key tiles needs scale blocks of a multiple of 256 (`scale_block`; e4m3 inputs have one block per sequence).
 SCALE_BLOCK_MULTIPLE = 128
+FP8_GLUON_BLOCK_N = (64, 128, 256)
 
 
 def hadamard_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
@@ -195,6 +197,9 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
         from ioattn.ops.gluon_forward import fp8_gluon_config
 
         chosen = gluon_config or fp8_gluon_config(dim)
+        if not fp8_inputs and scale_block % chosen.block_n:
+            raise ValueError(f"scale_block={scale_block} must be a multiple of the Gluon config's block_n "
+                             f"({chosen.block_n}): each K/V tile takes one scale")
         return FP8Plan("gluon", chosen, f"backend={backend!r}: sm_90, D {dim}, "
                        f"{'causal' if window[1] == 0 else 'full'} attention"
                        + ("" if gluon_config is None else "; config= given"), scales, scale, window)
@@ -231,7 +236,8 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     if q.dtype == FP8_FORWARD_DTYPE:
         out_dtype = torch.bfloat16
         # One scale per sequence: a single block spanning both lengths, a whole number of kernel tiles.
-        block = max(SCALE_BLOCK_MULTIPLE, -(-max(n_q, n_k) // SCALE_BLOCK_MULTIPLE) * SCALE_BLOCK_MULTIPLE)
+        tile = max(SCALE_BLOCK_MULTIPLE, chosen.config.block_n if chosen.kernel == "gluon" else 0)
+        block = max(tile, -(-max(n_q, n_k) // tile) * tile)
         group = heads_q // heads_kv
         # (B, Hq, 1) and (B, Hkv, 1) views of the descales, each query head reading its KV head's
         q_scales = q_descale[:, :, None, None].expand(batch, heads_kv, group, 1).reshape(batch, heads_q, 1)
@@ -289,8 +295,8 @@ def _gluon_config_or_none(config, backend):
         return None
     if backend != "gluon":
         raise ValueError(f"config: a GluonConfig needs backend='gluon', got backend={backend!r}")
-    if SCALE_BLOCK_MULTIPLE % config.block_n or not 0 <= config.rescale_threshold <= FP8_MAX_RESCALE_THRESHOLD:
-        raise ValueError(f"config must have a block_n dividing {SCALE_BLOCK_MULTIPLE} and rescale_threshold in "
+    if config.block_n not in FP8_GLUON_BLOCK_N or not 0 <= config.rescale_threshold <= FP8_MAX_RESCALE_THRESHOLD:
+        raise ValueError(f"config must have block_n in {FP8_GLUON_BLOCK_N} and rescale_threshold in "
                          f"0..{FP8_MAX_RESCALE_THRESHOLD} for the fp8 forward, got {config!r}")
     return config
 

@@ -338,6 +338,8 @@ def gluon_forward_fp8(q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, scales
         raise ValueError(f"config.rescale_threshold must be in 0..{FP8_MAX_RESCALE_THRESHOLD} for the fp8 forward, got "
                          f"{cfg.rescale_threshold}")
     q_scale, k_scale, v_scale, block = scales
+    if block % cfg.block_n:
+        raise ValueError(f"scales: blocks of {block} positions are not whole {cfg.block_n}-key tiles (config.block_n)")
     # one K and V scale per key tile: the kernel indexes them without a division
     tiles = block // cfg.block_n
     if tiles > 1:

@@ -220,6 +220,41 @@ def test_gluon_fp8_takes_p_from_registers_or_shared_memory(p_shared, threshold, 
     assert rel(out, reference_on_dequantized(q, k, v, causal, block=scale_block)) < KERNEL_TOL
 
 
+WIDE = dict(consumers=2, block_n=256, stages=2, maxnreg=168, consumer_regs=240, pingpong=False, overlap=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("e4m3", [False, True])
+def test_gluon_fp8_256_key_tiles(causal, e4m3):
+    """Two serial warpgroups on 256-key tiles (V's tile two TMA boxes of 128 keys): exact with scale blocks of 256
+    and 768 positions or one per sequence (e4m3 inputs); scale blocks of 128 are refused by name."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the warp-specialized kernel is sm_90 only")
+    from ioattn.ops.gluon_forward import fp8_gluon_config
+
+    config = dataclasses.replace(fp8_gluon_config(128), **WIDE)
+    q, k, v = qkv(2, 700, 1001, 8, 2, 128, device="cuda")
+    v[:, 1000] = 30.0
+    for scale_block in (256, 768) if not e4m3 else (None,):
+        if e4m3:
+            codes, scales = zip(*(fa8.quantize_per_head(t, g) for t, g in ((q, 4), (k, 1), (v, 1))))
+            expected = fa8._reference(*(c.double() * s.double().repeat_interleave(g, 1)[:, None, :, None]
+                                        for c, s, g in zip(codes, scales, (4, 1, 1))), causal)
+            kwargs = dict(q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+            inputs = codes
+        else:
+            expected = reference_on_dequantized(q, k, v, causal, block=scale_block)
+            kwargs, inputs = dict(scale_block=scale_block), (q, k, v)
+        poison = q.new_full((64 << 20,), float("nan"))
+        del poison
+        out = ioattn.flash_attn_fp8_func(*inputs, causal=causal, backend="gluon", config=config, **kwargs)
+        torch.cuda.synchronize()
+        assert rel(out, expected) < KERNEL_TOL
+    with pytest.raises(ValueError, match="scale_block=128 must be a multiple"):
+        ioattn.flash_attn_fp8_func(q, k, v, scale_block=128, backend="gluon", config=config)
+
+
 def test_gluon_config_is_for_the_gluon_backend_only():
     from ioattn.ops.gluon_forward import fp8_gluon_config
 
