@@ -264,6 +264,9 @@ def test_gluon_config_is_for_the_gluon_backend_only():
     with pytest.raises(ValueError, match="rescale_threshold in 0..4"):
         ioattn.flash_attn_fp8_func(q, k, v, backend="gluon",
                                    config=dataclasses.replace(fp8_gluon_config(64), rescale_threshold=8.0))
+    with pytest.raises(ValueError, match=r"block_n in \(64, 128, 256\)"):
+        ioattn.flash_attn_fp8_func(q, k, v, backend="gluon",
+                                   config=dataclasses.replace(fp8_gluon_config(64), block_n=32))
 
 
 def test_descales_are_read_once_per_version():
