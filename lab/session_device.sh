@@ -3,8 +3,8 @@
 # the call's 560 s (LIMIT) would not hold it. On an H200 the fp8 decode bar's rows come first (W2 4/7 lacks
 # only its H200 run).
 #   decode (H200 only): `ioattn bench decode --kv-cache-dtype fp8_e4m3` at the W2 4/7 bar's rows      <= 100 s
-#   wide:   GPU tests of the fp8 forward; its D 128 on two serial warpgroups with 256-key tiles (c2n256) beside
-#           the default                                                                               <= 140 s
+#   wide:   GPU tests of the fp8 forward; its D 128 on two serial warpgroups with 256-key tiles (c2n256) and on the
+#           dynamic schedule beside the default                                                       <= 180 s
 #   halfgrid: GPU tests of the MLA kernels and plans (the 16-head half grid), `bench decode --mla` at 16
 #           heads with the defaults                                                                    <= 190 s
 #   probe128: the 64-head lockstep and seesaw kernels with time stamps per phase (lab/gluon_mla_probe.py), and
@@ -129,8 +129,10 @@ wide_fp8() {
     source "$lab/device_log.sh" wide.log
     step "GPU tests: the fp8 forward (256-key tiles included)"
     gpu_tests 70 8 gpu-tests.txt tests/kernels/test_fp8_forward.py
-    step "fp8 D 128: two serial warpgroups on 256-key tiles (c2n256) beside the default, bf16, Triton fp8 and cuDNN"
-    timeout 60 python3 lab/fp8_gluon_variants.py "$OUT/fp8-wide.json" --only c2n256 2>&1 | grep -v Warning \
+    step "fp8 D 128: two serial warpgroups on 256-key tiles (c2n256), the dynamic schedule (dyn), both, beside the"\
+        "default, bf16, Triton fp8 and cuDNN"
+    timeout 100 python3 lab/fp8_gluon_variants.py "$OUT/fp8-wide.json" --only c2n256,dyn,c2n256-dyn 2>&1 \
+        | grep -v Warning \
         | cut -c1-300
 }
 fp8_variants() {
@@ -264,7 +266,7 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
 else
     echo "not an H200: the fp8 decode bar's H200 run is left out"
 fi
-run_part wide 140 bash -c "$(declare -f wide_fp8); lab=$lab; wide_fp8"
+run_part wide 180 bash -c "$(declare -f wide_fp8); lab=$lab; wide_fp8"
 run_part halfgrid 190 bash -c "$(declare -f half_grid mla16_bench); lab=$lab; half_grid"
 run_part suite 280 bash -c "$(declare -f gpu_suite); lab=$lab; gpu_suite"
 run_part mla16 75 bash -c "$(declare -f mla16_part mla16_bench); lab=$lab; mla16_part"
