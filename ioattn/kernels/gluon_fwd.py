@@ -389,13 +389,11 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     k_scale = qk_scale_log2  # the 16-bit forward's scores have one scale
-    v_scale = qk_scale_log2  # unread by the 16-bit forward
     if FP8:
         k_scale = _tile_scale(k_scales, first, scale_tiles_k - 1)
-        v_scale = _tile_scale(v_scales, first, scale_tiles_k - 1)
         # O is held in units of the latest tile's V scale, so that its rescale, the change of scale and the add of
         # the tile's P·V are one FFMA per element (a multiply and an FFMA otherwise: 64 of ~517 instructions a tile)
-        o_unit = v_scale
+        o_unit = _tile_scale(v_scales, first, scale_tiles_k - 1)
     for part in gl.static_range(3):
         j_start, j_end = _loop_copy(part, 0, plain_start, plain_end, n_own, LEFT)
         for j in range(j_start, j_end):
@@ -403,9 +401,10 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
             phase = ((it + j) // STAGES) & 1
             mbarrier.wait(k_ready.index(stage), phase)
             s = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False, is_async=True)
-            if FP8:  # the next tile's scales load while S runs
+            if FP8:  # the next tile's K scale and this tile's V scale load while S runs (V's is needed after
+                # the softmax; one register fewer across the loop than loading it a tile ahead)
                 k_scale_next = _tile_scale(k_scales, first + j + 1, scale_tiles_k - 1)
-                v_scale_next = _tile_scale(v_scales, first + j + 1, scale_tiles_k - 1)
+                v_scale = _tile_scale(v_scales, first + j, scale_tiles_k - 1)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(stage), count=1)
             if part != 1:
@@ -415,10 +414,12 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                 tile_rows = row_scale * k_scale
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, tile_rows, tile_rows[:, None],
                                                             RESCALE_THRESHOLD, P_LOG2)
+                # per row: O's factor to this tile's V-scale units, rescaled as P was (applied with the tile's P·V)
+                to_tile = gl.convert_layout(alpha * gl.where(o_unit == v_scale, 1.0, o_unit / v_scale), o_row_layout)
+                o_unit = v_scale
             else:
                 p, m_i, l_i, rescale, alpha = _softmax_step(s, m_i, l_i, qk_scale_log2, qk_scale_log2,
                                                             RESCALE_THRESHOLD, P_LOG2)
-            if not FP8:  # (FP8 rescales O where it adds the tile's P·V)
                 if rescale:
                     o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
@@ -434,11 +435,8 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                     pv = warpgroup_mma(p_op, v_smem.index(stage).permute((1, 0)), o_init, use_acc=False,
                                        is_async=True)
                     pv = warpgroup_mma_wait(0, deps=[pv])  # (no 8-bit dependency: p_op is rebuilt next tile)
-                to_tile = alpha * gl.where(o_unit == v_scale, 1.0, o_unit / v_scale)  # per row: O to this tile's
-                o = o * gl.convert_layout(to_tile, o_row_layout)[:, None] + pv  # units, rescaled as P was
-                o_unit = v_scale
+                o = o * to_tile[:, None] + pv
                 k_scale = k_scale_next
-                v_scale = v_scale_next
             else:
                 p_op = _unpack_pairs(_pack_pairs(p, dtype), dtype, p_layout)
                 o = warpgroup_mma(p_op, v_smem.index(stage), o, is_async=True)

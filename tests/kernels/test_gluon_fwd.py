@@ -89,9 +89,9 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
         # row scale once a tile (160 registers of three warpgroups, or two ping-pong warpgroups' S, P·V and O)
         allowed = 2 if dtype in ("fp8", "fp8-pingpong-registers") else 0
         assert all(loop["spills"] <= allowed for loop in kv_loops[:cfg.consumers]), b
-        # the masked copies run on a work tile's diagonal tiles only: the fp8 causal ones of the two worker
-        # warpgroups (160 registers) reload 15 values a tile
-        assert all(loop["spills"] <= 16 for loop in kv_loops), b
+        # the masked copies run on a work tile's diagonal tiles only: the fp8 causal ones of the three serial
+        # warpgroups (160 registers) reload one value a tile (15 before O was held in V-scale units)
+        assert all(loop["spills"] <= 2 for loop in kv_loops), b
         assert "LOCAL:0 " in b["resources"] and int(b["resources"].split("STACK:")[1].split()[0]) <= 160, b
 
 
