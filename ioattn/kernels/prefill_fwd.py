@@ -85,7 +85,6 @@ def _attend_tiles(
     scale_block=1, ROUND_P: tl.constexpr = False,
 ):
     offs_n = tl.arange(0, BLOCK_N)
-    unit = tl.cast(1.0, tl.float32)  # FP8: the V scale acc is held in (see below)
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
         # scores in base 2: qk_scale already carries log2(e)
         k = _load_kv_tile(k_desc, k_base, start_n, stride_kn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA, MASKED)
@@ -137,8 +136,7 @@ def _attend_tiles(
             p = tl.math.exp2(s - m_base[:, None])
         alpha = tl.math.exp2(m_i - m_base)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not FP8:  # (FP8 rescales acc where it adds the tile's P·V)
-            acc = acc * alpha[:, None]
+        acc = acc * alpha[:, None]
         if FP8:
             v = _load_vt_tile(v_desc, v_base, start_n, stride_vn, seqlen_k, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, TMA,
                               MASKED)
@@ -149,19 +147,14 @@ def _attend_tiles(
             # P x 2^8 in [0, 256] (exp2 of the score minus max - 8: small weights keep their mantissa instead of
             # going subnormal; the factor cancels between acc and l_i) rounded to e4m3; each tile's product lands
             # in a fresh fp32 accumulator and is added here with its V block scale (two-level accumulation: the
-            # tensor cores' fp8 accumulation never spans tiles). acc is held in units of the latest tile's V
-            # scale, so that its rescale, the change of scale and the add are one FMA per element
+            # tensor cores' fp8 accumulation never spans tiles)
             if ROUND_P:
                 p = _e4m3_grid(p)
             pv = tl.dot(p.to(v.dtype), v)
-            v_scale = tl.load(v_scales + start_n // scale_block)
-            acc = acc * (alpha * tl.where(unit == v_scale, 1.0, unit / v_scale))[:, None] + pv
-            unit = v_scale
+            acc += pv * tl.load(v_scales + start_n // scale_block)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
-    if FP8:
-        acc = acc * unit
     return acc, l_i, m_i
 
 
