@@ -129,11 +129,10 @@ wide_fp8() {
     source "$lab/device_log.sh" wide.log
     step "GPU tests: the fp8 forward (256-key tiles included)"
     gpu_tests 70 8 gpu-tests.txt tests/kernels/test_fp8_forward.py
-    step "fp8 D 128: two serial warpgroups on 256-key tiles (c2n256), the dynamic schedule (dyn), both, beside the"\
-        "default, bf16, Triton fp8 and cuDNN"
+    step "fp8 D 128: 256-key tiles on two serial warpgroups (c2n256), the dynamic schedule (dyn), both; the default,"\
+        "bf16, Triton fp8 and cuDNN beside them"
     timeout 100 python3 lab/fp8_gluon_variants.py "$OUT/fp8-wide.json" --only c2n256,dyn,c2n256-dyn 2>&1 \
-        | grep -v Warning \
-        | cut -c1-300
+        | grep -v Warning | cut -c1-300
 }
 fp8_variants() {
     source "$lab/device_log.sh" fp8.log
