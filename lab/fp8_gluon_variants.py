@@ -25,16 +25,14 @@ from ioattn.ops import fp8_attention as fa8
 from ioattn.ops.gluon_forward import fp8_gluon_config
 
 PINGPONG = {"consumers": 2, "maxnreg": 168, "consumer_regs": 240, "pingpong": True, "overlap": True}
-VARIANTS = {"snake": {"snake": True}, "t2": {"rescale_threshold": 2.0}, "s4": {"stages": 4},
-            "snake-t2": {"snake": True, "rescale_threshold": 2.0},
+VARIANTS = {"snake": {"snake": True, "dynamic": False}, "t2": {"rescale_threshold": 2.0}, "s4": {"stages": 4},
+            "snake-t2": {"snake": True, "rescale_threshold": 2.0, "dynamic": False},
             "pingpong-shared": {**PINGPONG, "fp8_p_shared": True},
             # two serial warpgroups on 256-key tiles (FA3's fp8 D 128 takes 224): the per-tile work (row max and sum
             # reductions, barriers) once per 256 keys; 779 instructions per tile in the sm_90 build (the default 473)
             "c2n256": {"consumers": 2, "block_n": 256, "stages": 2, "maxnreg": 168, "consumer_regs": 240},
-            # the work tiles handed out at run time (an atomic counter): the causal rows' tail, shorter in fp8 time
-            "dyn": {"dynamic": True},
-            "c2n256-dyn": {"consumers": 2, "block_n": 256, "stages": 2, "maxnreg": 168, "consumer_regs": 240,
-                           "dynamic": True}}
+            # the static schedule (each program every num_programs-th work tile) the dynamic default replaced
+            "static": {"dynamic": False}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:

@@ -90,8 +90,9 @@ def test_aot_build_for_sm90_spills_nothing_in_its_key_loop():
         allowed = 2 if dtype in ("fp8", "fp8-pingpong-registers") else 0
         assert all(loop["spills"] <= allowed for loop in kv_loops[:cfg.consumers]), b
         # the masked copies run on a work tile's diagonal tiles only: the fp8 causal ones of the three serial
-        # warpgroups (160 registers) reload one value a tile (15 before O was held in V-scale units)
-        assert all(loop["spills"] <= 2 for loop in kv_loops), b
+        # warpgroups (160 registers) on the dynamic schedule reload 9 values a tile (1 on the static one; 15 before
+        # O was held in V-scale units)
+        assert all(loop["spills"] <= 10 for loop in kv_loops), b
         assert "LOCAL:0 " in b["resources"] and int(b["resources"].split("STACK:")[1].split()[0]) <= 160, b
 
 
