@@ -25,6 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory(request):
+    """After each GPU test, torch's cached blocks go back to the driver: tests run in parallel workers on one GPU
+    (pytest -n), and a worker holding a finished test's gigabytes made the others run out of memory."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords:
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def device():
     """Where kernel tests run: the GPU when present, else the CPU (Triton interpreter)."""
