@@ -11,6 +11,7 @@ says how to corrupt one argument, so that valid and hostile calls come from one 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import traceback
@@ -433,10 +434,21 @@ def run_mla(case, device):
 FP8_FORWARD_TOL = 6e-2
 
 
+# GluonConfig fields over the fp8 forward's D 128 tiles (`config=` with backend="gluon"): 256-key tiles (scale blocks
+# of a multiple of 256 only), the rescale threshold, and two the op refuses
+FP8_GLUON_CONFIGS = {"wide": dict(consumers=2, block_n=256, stages=2, maxnreg=168, consumer_regs=240),
+                     "threshold": dict(rescale_threshold=2.0), "block_n_32": dict(block_n=32),
+                     "threshold_8": dict(rescale_threshold=8.0)}
+
+
 def run_fp8_forward(case, device):
     from ioattn.ops import fp8_attention as fa8
+    from ioattn.ops.gluon_forward import fp8_gluon_config
 
     gen = torch.Generator().manual_seed(case["seed"])
+    config = None
+    if case.get("config") is not None:
+        config = dataclasses.replace(fp8_gluon_config(128), **FP8_GLUON_CONFIGS[case["config"]])
     dtype = DTYPES[case["dtype"]]
     b, nq, nk, hq, hkv, d = (case[k] for k in ("B", "Nq", "Nk", "Hq", "Hkv", "D"))
     q, k, v = (_random(shape, dtype, gen, device) for shape in ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d)))
@@ -444,7 +456,7 @@ def run_fp8_forward(case, device):
     if case["mode"] != "e4m3":
         hadamard, block = case["mode"] == "hadamard", case["scale_block"]
         out = ioattn.flash_attn_fp8_func(q, k, v, **rules, hadamard=hadamard, scale_block=block,
-                                         backend=case["backend"])
+                                         backend=case["backend"], config=config)
         rotation = fa8.hadamard_rotation(d, q.device) if hadamard else None
         deq = [fa8.dequantize_blocks(*fa8.quantize_blocks(t, block, rot), block)
                for t, rot in ((q, rotation), (k, rotation), (v, None))]
@@ -453,7 +465,7 @@ def run_fp8_forward(case, device):
         descales = [torch.ones(b, max(hkv, 0), device=device) for _ in range(3)]
         descales = [descales[0], *_corrupt_scales(case["descales"], descales[1:])]
         out = ioattn.flash_attn_fp8_func(*codes, **rules, q_descale=descales[0], k_descale=descales[1],
-                                         v_descale=descales[2], backend=case["backend"])
+                                         v_descale=descales[2], backend=case["backend"], config=config)
         return f"hostile heads ({hq}, {hkv}) were not refused"
     else:  # e4m3 inputs with per-(sequence, KV head) descales, one of them possibly corrupted
         descales, codes = [], []
@@ -466,7 +478,7 @@ def run_fp8_forward(case, device):
             codes.append((t.float() / scale.repeat_interleave(group, 1)[:, None, :, None]).to(torch.float8_e4m3fn))
         descales = [descales[0], *_corrupt_scales(case["descales"], descales[1:])]
         out = ioattn.flash_attn_fp8_func(*codes, **rules, q_descale=descales[0], k_descale=descales[1],
-                                         v_descale=descales[2], backend=case["backend"])
+                                         v_descale=descales[2], backend=case["backend"], config=config)
         deq = [c.double() * s.double().repeat_interleave(c.shape[2] // s.shape[1], 1)[:, None, :, None]
                for c, s in zip(codes, descales)]
     ref, _ = attention_ref(*deq, **rules)

@@ -133,10 +133,10 @@ def fp8_forward_cases(draw):
         Nk=st.integers(0, 20), heads=HEADS, D=st.sampled_from([64, 128]), causal=st.booleans(), window=WINDOWS,
         scale=SCALES, backend=st.sampled_from(["auto", "triton", "gluon"]),
         mode=st.sampled_from(["quantize", "hadamard", "e4m3"]), scale_block=st.sampled_from([128, 256]),
-        descales=st.just("ok"),
+        descales=st.just("ok"), config=st.sampled_from([None, None, "wide", "threshold"]),
     ), dict(dtype=BAD_DTYPES, heads=BAD_HEADS, D=st.sampled_from([0, 48, 96, 264]), window=BAD_WINDOWS,
             scale=BAD_SCALES, backend=BAD_BACKENDS, scale_block=st.sampled_from([64, 100, 0, "x"]),
-            descales=BAD_SCALES_FP8))
+            descales=BAD_SCALES_FP8, config=st.sampled_from(["block_n_32", "threshold_8"])))
     case["Hq"], case["Hkv"] = case.pop("heads")
     return dict(op="flash_attn_fp8_func", **case)
 
