@@ -239,8 +239,9 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
         tile = max(SCALE_BLOCK_MULTIPLE, chosen.config.block_n if chosen.kernel == "gluon" else 0)
         block = max(tile, -(-max(n_q, n_k) // tile) * tile)
         group = heads_q // heads_kv
-        # (B, Hq, 1) and (B, Hkv, 1) views of the descales, each query head reading its KV head's
-        q_scales = q_descale[:, :, None, None].expand(batch, heads_kv, group, 1).reshape(batch, heads_q, 1)
+        # (B, Hq, 1) and (B, Hkv, 1) contiguous copies of the descales (the kernels index them as such), each query
+        # head reading its KV head's. An expanded view would not do: under MQA it reshapes with a head stride of 0
+        q_scales = q_descale.repeat_interleave(group, dim=1)[..., None]
         k_scales, v_scales = k_descale[..., None].contiguous(), v_descale[..., None].contiguous()
         q_codes, k_codes, v_codes = q.contiguous(), k.contiguous(), transposed(v, permute_keys)
     else:

@@ -63,13 +63,15 @@ def test_exact_where_the_probabilities_are_representable():
     assert torch.allclose(lse[0].double(), score + visible.double().log(), atol=1e-4, rtol=0)
 
 
-def test_e4m3_inputs_with_descales_match_their_dequantized_reference():
+@pytest.mark.parametrize("heads_kv", [2, 1])  # 1: MQA, where per-query-head descales once had a head stride of 0
+def test_e4m3_inputs_with_descales_match_their_dequantized_reference(heads_kv):
     torch.manual_seed(1)
-    q, k, v = qkv(2, 70, 90, 4, 2, 128)
+    q, k, v = qkv(2, 70, 90, 4, heads_kv, 128)
     limit = torch.finfo(E4M3).max
     descales = {}
     codes = {}
-    for name, t, per in (("q", q, 2), ("k", k, 1), ("v", v, 1)):
+    group = 4 // heads_kv
+    for name, t, per in (("q", q, group), ("k", k, 1), ("v", v, 1)):
         b, n, h, d = t.shape
         amax = t.float().view(b, n, h // per, per, d).abs().amax(dim=(1, 3, 4))
         descales[name] = amax / limit
@@ -78,7 +80,7 @@ def test_e4m3_inputs_with_descales_match_their_dequantized_reference():
                                  k_descale=descales["k"], v_descale=descales["v"])
     assert out.dtype == torch.bfloat16
     deq = [codes[n].double() * descales[n].double().repeat_interleave(per, 1)[:, None, :, None]
-           for n, per in (("q", 2), ("k", 1), ("v", 1))]
+           for n, per in (("q", group), ("k", 1), ("v", 1))]
     assert rel(out, fa8._reference(*deq, True)) < KERNEL_TOL
 
 

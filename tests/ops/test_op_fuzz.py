@@ -353,6 +353,10 @@ KNOWN_CASES = [
     dict(op="flash_attn_func", seed=3, dtype="float16", B=1, Nq=1, Nk=2, D=72, causal=False, window=(-1, -1),
          scale=0.5, backend="auto", deterministic=None, layout="contiguous", grad=True, do_layout="contiguous", Hq=2,
          Hkv=2),
+    # e4m3 inputs under MQA (4 query heads on 1 KV head): the per-query-head descales were an expanded view whose
+    # head stride was 0, which the Triton kernel read past (heads 1-3 took stray scales: rel error 0.74).
+    dict(op="flash_attn_fp8_func", seed=53335013, dtype="bfloat16", B=1, Nq=14, Nk=13, D=64, causal=True,
+         window=(-1, 0), scale=3, backend="auto", mode="e4m3", scale_block=256, descales="ok", Hq=4, Hkv=1),
     # torch's CPU SDPA kernel under a causal call with a scale <= 0: NaN (its mask is applied before the scale).
     dict(op="sdpa", B=1, Nq=1, Nk=2, mask_shape=[1, 2], seed=0, dtype="float16", D=8, causal=True, scale=-0.25,
          gqa=True, backend="auto", mask=None, Hq=2, Hkv=2),
