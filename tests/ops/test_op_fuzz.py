@@ -370,7 +370,7 @@ def test_known_findings(worker, index):
 
 @pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
-@given(case=st.one_of(dense_cases(), varlen_cases(), sdpa_cases(), paged_cases(), mla_cases(), cache_write_cases(),
-                      block_copy_cases()))
+@given(case=st.one_of(dense_cases(), fp8_forward_cases(), varlen_cases(), sdpa_cases(), paged_cases(), mla_cases(),
+                      cache_write_cases(), block_copy_cases()))
 def test_every_op_fuzz_long(worker, case):
     check(worker, case)
