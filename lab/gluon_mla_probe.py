@@ -23,8 +23,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ioattn.bench.mla import LATENT_DIM, ROW_DIM, SOFTMAX_SCALE, latent_pool
 from ioattn.kernels.gluon_mla import (
-    CHUNK, SEESAW_REGS, SEESAW_TILE, SYNC_L, SYNC_Q, WIDE_HEADS, _attend_tile, _page_blocks, _producer, _publish,
-    _seesaw_pair, _seesaw_producer, _stage_q, _store_out, _wide_tile, seesaw_buffers,
+    SEESAW_REGS, SEESAW_TILE, SYNC_L, WIDE_HEADS, _attend_tile, _page_blocks, _producer, _publish,
+    _seesaw_pair, _seesaw_producer, _stage_q, _store_out, _wide_tile, seesaw_buffers, seesaw_stage_q,
 )
 from ioattn.kernels.gluon_paged import (
     PRODUCER_REGS, finish_row_sums, finish_rows, ring_barriers, split_tiles, store_rows,
@@ -200,7 +200,6 @@ def _probe_seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem,
     """`gluon_mla._seesaw_consumer` for whole pairs of full tiles (L a multiple of 128), one split, with stamps
     (warpgroup 0 in slots 1-4, warpgroup 1 in 8-11)."""
     LATENT: gl.constexpr = lat_smem.shape[2]
-    CHUNKS: gl.constexpr = LATENT // CHUNK
     BASE: gl.constexpr = 1 if half == 0 else 8
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SEESAW_TILE, 16])
@@ -209,11 +208,7 @@ def _probe_seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem,
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     first_head = head_block * WIDE_HEADS
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout, half * (CHUNKS // 2),
-             CHUNKS // 2, half == 0)
-    _publish(sync, SYNC_Q, True)
-    mbarrier.wait(sync.index(SYNC_Q), 0)
+    seesaw_stage_q(half, Q, q_lat, q_rope, sync, seq, first_head, num_heads, stride_qt, stride_qh)
     _stamp(Stamps, BASE, seq_len)
     m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, rows)
     l_i = gl.zeros([WIDE_HEADS], gl.float32, rows)

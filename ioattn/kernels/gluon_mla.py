@@ -502,12 +502,23 @@ def _seesaw_pair(half: gl.constexpr, acc, m_i, l_i, q_lat, q_rope, lat_smem, rop
 
 
 @gluon.jit
+def seesaw_stage_q(half: gl.constexpr, Q, q_lat, q_rope, sync, seq, first_head, num_heads, stride_qt, stride_qh):
+    """Consumer warpgroup `half` of the seesaw kernel stages half of Q's latent chunks (warpgroup 0 the RoPE part
+    too), then waits for the other's half."""
+    CHUNKS: gl.constexpr = q_lat.shape[1] // CHUNK
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout, half * (CHUNKS // 2),
+             CHUNKS // 2, half == 0)
+    _publish(sync, SYNC_Q, True)
+    mbarrier.wait(sync.index(SYNC_Q), 0)
+
+
+@gluon.jit
 def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat, q_rope, xchg, ready, empty, sync,
                      seq, head_block, split, seq_len, lo, hi, num_heads, stride_qt, stride_qh, stride_os, stride_ot,
                      stride_oh, stride_ls, stride_lt, stride_lh, scale_log2, STAGE_OUT: gl.constexpr):
     """Consumer warpgroup `half` (0: O's left LATENT / 2 columns, 1: the right ones)."""
     LATENT: gl.constexpr = lat_smem.shape[2]
-    CHUNKS: gl.constexpr = LATENT // CHUNK
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SEESAW_TILE, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -516,12 +527,7 @@ def _seesaw_consumer(half: gl.constexpr, Q, Out, Lse, lat_smem, rope_smem, q_lat
     # P from registers as the A operand of O += P·V: S's accumulator layout maps onto it in place
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     first_head = head_block * WIDE_HEADS
-    # each warpgroup stages half of Q's latent chunks (warpgroup 0 the RoPE part too), then waits for the other
-    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    _stage_q(Q, q_lat, q_rope, seq, first_head, num_heads, stride_qt, stride_qh, q_layout, half * (CHUNKS // 2),
-             CHUNKS // 2, half == 0)
-    _publish(sync, SYNC_Q, True)
-    mbarrier.wait(sync.index(SYNC_Q), 0)
+    seesaw_stage_q(half, Q, q_lat, q_rope, sync, seq, first_head, num_heads, stride_qt, stride_qh)
 
     m_i = gl.full([WIDE_HEADS], float("-inf"), gl.float32, rows)
     l_i = gl.zeros([WIDE_HEADS], gl.float32, rows)
