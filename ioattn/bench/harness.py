@@ -262,11 +262,12 @@ def device_tag(disclosure: dict[str, Any]) -> str:
     return "-".join(words[:2]) or "gpu"
 
 
-def measure_ceilings(device: str, dtypes: Iterable[torch.dtype]) -> dict[str, Any]:
+def measure_ceilings(device: str, dtypes: Iterable[torch.dtype], fp8: bool = False) -> dict[str, Any]:
     """Matmul TFLOP/s per dtype and device-copy TB/s, measured now, on this device.
 
-    CUDA: 8192³ matmul per dtype, and a 2 GiB device-to-device copy counting bytes read + written.
-    CPU: a 1024³ matmul per dtype only (a CPU number, no GPU meaning); no copy ceiling.
+    CUDA: 8192³ matmul per dtype, and a 2 GiB device-to-device copy counting bytes read + written; with fp8 (on
+    sm_89+) also an e4m3 8192³ `torch._scaled_mm` (fp32 accumulation, bf16 out) under "float8_e4m3fn".
+    CPU: a 1024³ matmul per dtype only (a CPU number, no GPU meaning); no copy ceiling, no fp8 one.
     """
     cuda = device.startswith("cuda")
     size = 8192 if cuda else 1024
@@ -277,6 +278,13 @@ def measure_ceilings(device: str, dtypes: Iterable[torch.dtype]) -> dict[str, An
         timing = time_ms(lambda: a @ b, device)
         ceilings["matmul_tflops"][dtype_name(dtype)] = tflops(2.0 * size**3, timing.ms)
         del a, b
+    if cuda and fp8 and torch.cuda.get_device_capability(device) >= (8, 9):
+        a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=device)
+        timing = time_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device)
+        ceilings["matmul_tflops"][dtype_name(torch.float8_e4m3fn)] = tflops(2.0 * size**3, timing.ms)
+        del a, b
     if cuda:
         src = torch.randn(2**29, device=device)  # 2 GiB of random float32: far past L2
         dst = torch.empty_like(src)
@@ -284,7 +292,8 @@ def measure_ceilings(device: str, dtypes: Iterable[torch.dtype]) -> dict[str, An
         ceilings["copy_tbps"] = 2 * src.numel() * src.element_size() / (timing.ms * 1e-3) / 1e12
         del src, dst
         torch.cuda.empty_cache()
-        ceilings["note"] = "measured in this run: matmul 8192³ per dtype; copy of 2 GiB, bytes read + written"
+        ceilings["note"] = ("measured in this run: matmul 8192³ per dtype (e4m3: torch._scaled_mm); copy of 2 GiB, "
+                            "bytes read + written")
     else:
         ceilings["note"] = "CPU run: matmul 1024³ on the CPU only; no copy ceiling"
     return ceilings

@@ -334,6 +334,13 @@ def _measure_forward(runner: Runner, case: Case, ref: Reference, args, row: Row)
     row.peak_mib = harness.peak_memory_mib(runner.forward, args.device)
 
 
+def ceiling_pct(backend: str, dtype: str, rate: float, ceilings: dict) -> float | None:
+    """% of the run's matmul ceiling in the dtype the backend's matmuls run in (e4m3 for the fp8 backends; None
+    where the run has no such ceiling: fp8 off sm_89+)."""
+    ceiling = ceilings["matmul_tflops"].get("float8_e4m3fn" if backend in FP8_BACKENDS else dtype)
+    return 100 * rate / ceiling if ceiling else None
+
+
 def more_forward_rounds(case_rows: list[Row], case: Case, qkv, args, ceilings: dict) -> None:
     """args.rounds - 1 more forward timings of every backend that ran, the backends taking turns, so that a drift
     of the GPU's clocks over the case falls on all of them alike; each row then reports the median round
@@ -350,7 +357,7 @@ def more_forward_rounds(case_rows: list[Row], case: Case, qkv, args, ceilings: d
     for row in timed:
         row.ms = statistics.median(row.extra["round_ms"])
         row.rate = harness.tflops(case.flops("forward"), row.ms)
-        row.ceiling_pct = 100 * row.rate / ceilings["matmul_tflops"][case.dtype]
+        row.ceiling_pct = ceiling_pct(row.backend, case.dtype, row.rate, ceilings)
 
 
 BACKWARD_ALONE = "backward alone (retain_graph)"
@@ -434,7 +441,7 @@ def measure(name: str, case: Case, qkv, dout, ref: Reference, args, ceilings: di
     if row.status != "ok":
         row.ms = row.rate = row.peak_mib = row.error = None
     elif row.rate is not None:
-        row.ceiling_pct = 100 * row.rate / ceilings["matmul_tflops"][case.dtype]
+        row.ceiling_pct = ceiling_pct(name, case.dtype, row.rate, ceilings)
     return row
 
 
@@ -489,7 +496,8 @@ def render_markdown(meta: dict[str, Any], rows: list[Row], growth: list[dict[str
     parts = [
         f"# ioattn bench prefill — {meta['settings']['mode']}, {where}, {disclosure['date_utc']} UTC",
         "## Disclosure", harness.disclosure_markdown(meta),
-        f"## Results ({unit}; FlashAttention FLOP convention, % of the bf16/fp16/fp32 matmul ceiling of this run)",
+        f"## Results ({unit}; FlashAttention FLOP convention, % of the matmul ceiling of this run "
+        "in the row's dtype, e4m3 for the fp8 backends)",
         harness.rows_table(rows, CASE_COLUMNS, unit, extra),
     ]
     peers = [b for b in backends if b != "ioattn"]
@@ -612,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     meta: dict[str, Any] = {
         "disclosure": harness.collect_disclosure(args.device, " ".join(["ioattn bench prefill", *argv])),
-        "ceilings": harness.measure_ceilings(args.device, [harness.parse_dtype(d) for d in args.dtype]),
+        "ceilings": harness.measure_ceilings(args.device, [harness.parse_dtype(d) for d in args.dtype],
+                                             fp8=any(b in FP8_BACKENDS for b in args.backends)),
         "settings": {
             "mode": mode, "backends": args.backends, "ioattn_backend": args.ioattn_backend,
             "tokens_per_case (B·N)": args.tokens, "model_dim (H·D)": args.model_dim,

@@ -295,9 +295,20 @@ def test_bench_prefill_fp8_backends_on_cpu(tmp_path):
     _, rows = harness.read_json(json_path)
     assert {r.backend for r in rows} == {"ioattn-fp8", "ioattn-fp8-quant"}
     assert all(r.status == "ok" and 0 < r.error < 8e-2 for r in rows)
+    assert all(r.ceiling_pct is None for r in rows)  # the CPU has no e4m3 matmul ceiling: no share is made up
     assert prefill.main(argv[:-2] + ["--backward", "--json", str(json_path)]) == 0
     _, rows = harness.read_json(json_path)
     assert all("no backward" in r.status for r in rows)
+
+
+@pytest.mark.gpu
+def test_fp8_matmul_ceiling_on_the_gpu():
+    ceilings = harness.measure_ceilings("cuda", [torch.bfloat16], fp8=True)
+    rates = ceilings["matmul_tflops"]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        assert rates["float8_e4m3fn"] > rates["bfloat16"] > 0
+    else:
+        assert "float8_e4m3fn" not in rates
 
 
 @pytest.mark.gpu
