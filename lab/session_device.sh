@@ -38,7 +38,7 @@
 #   snake:  causal D 128/256 with every other round of work tiles reversed beside the default order   <= 90 s
 #   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
 #   fp8bar: `ioattn bench prefill` with the fp8 forward at the W2 5/7 fp8 bar's rows (D 128, N 4k-16k) beside
-#           our bf16 forward and cuDNN, with the e4m3 matmul ceiling of the run                          <= 130 s
+#           our bf16 forward and cuDNN, with the e4m3 matmul ceiling of the run; D 64 and 256 at N 8k      <= 190 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
@@ -258,9 +258,14 @@ fp8_bar() {
     source "$lab/device_log.sh" fp8bar.log
     step "ioattn bench prefill: the fp8 bar's rows (D 128, N 4k-16k) beside our bf16 and cuDNN, e4m3 matmul ceiling"
     python3 -m ioattn.cli bench prefill --backends ioattn,ioattn-fp8,torch-cudnn --dims 128 --gqa 1 \
-        --seqlens 4096,8192,16384 --budget-s 100 --json "$OUT/fp8bar.json" --md "$OUT/fp8bar.md" \
+        --seqlens 4096,8192,16384 --budget-s 110 --json "$OUT/fp8bar.json" --md "$OUT/fp8bar.md" \
         > "$OUT/fp8bar.txt" 2>&1
     echo "bench exit $?"; grep -E "^\||^Bar|ceiling" "$OUT/fp8bar.md" | head -30
+    step "the same at D 64 and 256, N 8k (their fp8 defaults: two overlapped consumers, P through shared memory)"
+    python3 -m ioattn.cli bench prefill --backends ioattn,ioattn-fp8,torch-cudnn --dims 64,256 --gqa 1 \
+        --seqlens 8192 --budget-s 45 --json "$OUT/fp8-d64-d256.json" --md "$OUT/fp8-d64-d256.md" \
+        > "$OUT/fp8-d64-d256.txt" 2>&1
+    echo "bench exit $?"; grep -E "^\|" "$OUT/fp8-d64-d256.md" | head -30
 }
 prefill_bench() {  # $1: seconds
     source "$lab/device_log.sh" prefill.log
@@ -296,7 +301,7 @@ run_part d64 120 bash -c "$(declare -f d64_consumers); lab=$lab; d64_consumers"
 run_part d64causal 120 bash -c "$(declare -f d64_causal); lab=$lab; d64_causal"
 run_part snake 90 bash -c "$(declare -f snake_order); lab=$lab; snake_order"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
-run_part fp8bar 130 bash -c "$(declare -f fp8_bar); lab=$lab; fp8_bar"
+run_part fp8bar 190 bash -c "$(declare -f fp8_bar); lab=$lab; fp8_bar"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))
 if (( left >= 50 )); then
