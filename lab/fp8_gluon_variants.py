@@ -6,9 +6,9 @@ bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
-descales (the public call: V's transpose and the checks included) at D 128, B·N 16k, 16 heads, N 4k/8k/16k,
-causal and not, beside our bf16 forward, the Triton fp8 kernel and cuDNN (bf16); every timed variant is compared
-with the first one's output on the same row.
+descales (the public call: V's transpose and the checks included) at D 128 (--head-dim: 64, 256; VARIANTS_256 at
+256), B·N 16k, H·D 2048, N 4k/8k/16k, causal and not, beside our bf16 forward, the Triton fp8 kernel and cuDNN
+(bf16); every timed variant is compared with the first one's output on the same row.
 
     PYTHONPATH=. python3 lab/fp8_gluon_variants.py OUT.json [--variant NAME:field=value,...] ...   (sm_90 only)
 """
@@ -33,6 +33,14 @@ VARIANTS = {"snake": {"snake": True, "dynamic": False}, "t2": {"rescale_threshol
             "c2n256": {"consumers": 2, "block_n": 256, "stages": 2, "maxnreg": 168, "consumer_regs": 240},
             # the static schedule (each program every num_programs-th work tile) the dynamic default replaced
             "static": {"dynamic": False}}
+# D 256 (--head-dim 256): the default's two overlapped ping-pong warpgroups reload 144 spilled values a 64-key tile
+# in the sm_90 build (703 instructions: O and a fresh P·V accumulator of 64 x 256 float32 each); two serial
+# warpgroups add each tile's P·V to O a quarter of its columns at a time (436-466 instructions, 3-10 spills), with P
+# from registers or through shared memory, on 64- or 128-key tiles (626 a 128-key tile, 33-36 spills)
+SERIAL = {"pingpong": False, "overlap": False}
+VARIANTS_256 = {"q64reg": {**SERIAL, "fp8_p_shared": False}, "q64shared": {**SERIAL, "fp8_p_shared": True},
+                "q128reg": {**SERIAL, "fp8_p_shared": False, "block_n": 128, "stages": 2},
+                "q64reg-dyn": {**SERIAL, "fp8_p_shared": False, "dynamic": True}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -71,17 +79,20 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... over fp8_gluon_config")
     parser.add_argument("--seqlens", default="4096,8192,16384")
-    parser.add_argument("--only", default=",".join(VARIANTS), help="which of VARIANTS to run (comma-separated)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=[64, 128, 256])
+    parser.add_argument("--only", help="which of VARIANTS (D 256: VARIANTS_256) to run (comma-separated)")
     args = parser.parse_args()
-    variants = {name: VARIANTS[name] for name in filter(None, args.only.split(","))}
+    known = VARIANTS_256 if args.head_dim == 256 else VARIANTS
+    variants = {name: known[name] for name in filter(None, (args.only or ",".join(known)).split(","))}
     variants.update(parse_variant(v) for v in args.variant)
-    configs = {name: dataclasses.replace(fp8_gluon_config(128), **fields) for name, fields in variants.items()}
+    default = fp8_gluon_config(args.head_dim)
+    configs = {name: dataclasses.replace(default, **fields) for name, fields in variants.items()}
     configs = {"default": None, **configs}  # fp8_gluon_config's own
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "variants": {name: str(cfg) for name, cfg in configs.items()}, "exactness": [], "rows": []}
 
     for causal in (False, True):
-        _, codes, scales = e4m3_inputs(1, 1000, 1300, 8, 2, 128)
+        _, codes, scales = e4m3_inputs(1, 1000, 1300, 8, 2, args.head_dim)
         expected = dequantized_reference(codes, scales, causal)
         for name, cfg in configs.items():
             poison = torch.full((64 << 20,), float("nan"), device="cuda")
@@ -94,7 +105,7 @@ def main() -> None:
 
     for n in map(int, args.seqlens.split(",")):
         for causal in (False, True):
-            b, h, d = 16384 // n, 16, 128
+            b, h, d = 16384 // n, 2048 // args.head_dim, args.head_dim
             (q, k, v), codes, scales = e4m3_inputs(b, n, n, h, h, d)
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             descales = dict(q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])

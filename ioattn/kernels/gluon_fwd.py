@@ -369,6 +369,34 @@ def _loop_copy(part: gl.constexpr, start, plain_start, plain_end, n_own, LEFT: g
 
 
 @gluon.jit
+def _split_columns(o, half_layout: gl.constexpr):
+    """O's columns [0, D/2) and [D/2, D) as two accumulators of a D/2-column wgmma (each thread holds the same
+    values: a relabelling, no data moves)."""
+    M: gl.constexpr = o.shape[0]
+    D: gl.constexpr = o.shape[1]
+    lo, hi = o.reshape([M, 2, D // 2]).permute((0, 2, 1)).split()
+    return gl.convert_layout(lo, half_layout), gl.convert_layout(hi, half_layout)
+
+
+@gluon.jit
+def _join_columns(lo, hi, layout: gl.constexpr):
+    """`_split_columns` undone."""
+    M: gl.constexpr = lo.shape[0]
+    D: gl.constexpr = lo.shape[1] * 2
+    return gl.convert_layout(gl.join(lo, hi).permute((0, 2, 1)).reshape([M, D]), layout)
+
+
+@gluon.jit
+def _add_pv_block(o_block, factor, p_op, v_t, block: gl.constexpr, init):
+    """FP8: O's column block `block` (as wide as `init`) rescaled by `factor` (per row) plus P times V's columns of
+    that block (V transposed in shared memory, [D, keys]), from a fresh accumulator (two-level accumulation)."""
+    WIDTH: gl.constexpr = init.shape[1]
+    pv = warpgroup_mma(p_op, v_t.slice(block * WIDTH, WIDTH).permute((1, 0)), init, use_acc=False, is_async=True)
+    pv = warpgroup_mma_wait(0, deps=[pv])
+    return o_block * factor + pv
+
+
+@gluon.jit
 def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_start, plain_end, rows, len_q, len_k,
                      window_left, window_right, o, m_i, l_i, qk_scale_log2, row_scale, k_scales, v_scales,
                      scale_tiles_k, LEFT: gl.constexpr, RIGHT: gl.constexpr, RESCALE_THRESHOLD: gl.constexpr,
@@ -388,6 +416,21 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
     s_init = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False): only its layout counts
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # FP8 at D > 128: O (64 x D float32) and a fresh P·V accumulator as large would take 2D registers a thread; the
+    # tile's P·V runs as four wgmmas of D/4 columns in turn, each added to its quarter of O before the next is issued
+    # (halves spill: ptxas shuffles O through local memory to free a contiguous block for the second accumulator)
+    PV_QUARTERS: gl.constexpr = FP8 and HEAD_DIM > 128
+    if PV_QUARTERS:
+        QUARTER: gl.constexpr = HEAD_DIM // 4
+        half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, HEAD_DIM // 2, 32])
+        quarter_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                 instr_shape=[16, QUARTER, 32])
+        p_quarter_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=quarter_layout, k_width=4)
+        quarter_init = gl.zeros([BLOCK_M, QUARTER], gl.float32, quarter_layout)
+        o_lo, o_hi = _split_columns(o, half_layout)
+        o0, o1 = _split_columns(o_lo, quarter_layout)
+        o2, o3 = _split_columns(o_hi, quarter_layout)
     k_scale = qk_scale_log2  # the 16-bit forward's scores have one scale
     if FP8:
         k_scale = _tile_scale(k_scales, first, scale_tiles_k - 1)
@@ -423,7 +466,21 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                 if rescale:
                     o = o * gl.convert_layout(alpha, o_row_layout)[:, None]
             mbarrier.wait(v_ready.index(stage), phase)
-            if FP8:  # two-level accumulation: the tile's P·V in a fresh accumulator, added to O with its V scale
+            if PV_QUARTERS:
+                if P_SHARED:
+                    p_smem.store(p.to(dtype))
+                    fence_async_shared()
+                    p_op = p_smem
+                else:
+                    p_op = _fp8_operand(p, p_quarter_layout)
+                v_t = v_smem.index(stage)
+                factor = gl.convert_layout(to_tile, gl.SliceLayout(1, quarter_layout))[:, None]
+                o0 = _add_pv_block(o0, factor, p_op, v_t, 0, quarter_init)
+                o1 = _add_pv_block(o1, factor, p_op, v_t, 1, quarter_init)
+                o2 = _add_pv_block(o2, factor, p_op, v_t, 2, quarter_init)
+                o3 = _add_pv_block(o3, factor, p_op, v_t, 3, quarter_init)
+                k_scale = k_scale_next
+            elif FP8:  # two-level accumulation: the tile's P·V in a fresh accumulator, added to O with its V scale
                 if P_SHARED:
                     p_smem.store(p.to(dtype))
                     fence_async_shared()
@@ -442,7 +499,9 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                 o = warpgroup_mma(p_op, v_smem.index(stage), o, is_async=True)
                 o = warpgroup_mma_wait(0, deps=[o, p_op])[0]
             mbarrier.arrive(v_empty.index(stage), count=1)
-    if FP8:
+    if PV_QUARTERS:
+        o = _join_columns(_join_columns(o0, o1, half_layout), _join_columns(o2, o3, half_layout), o_layout) * o_unit
+    elif FP8:
         o = o * o_unit
     return o, m_i, l_i
 
