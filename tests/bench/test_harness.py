@@ -6,6 +6,7 @@ Nothing here times anything against a threshold: the timings only have to exist 
 
 import argparse
 import json
+import math
 import time
 import warnings
 
@@ -305,8 +306,8 @@ def test_bench_prefill_fp8_backends_on_cpu(tmp_path):
 def test_fp8_matmul_ceiling_on_the_gpu():
     ceilings = harness.measure_ceilings("cuda", [torch.bfloat16], fp8=True)
     rates = ceilings["matmul_tflops"]
-    if torch.cuda.get_device_capability() >= (8, 9):
-        assert rates["float8_e4m3fn"] > rates["bfloat16"] > 0
+    if torch.cuda.get_device_capability() >= (8, 9):  # measured beside bf16, not compared with it here
+        assert math.isfinite(rates["float8_e4m3fn"]) and rates["float8_e4m3fn"] > 0
     else:
         assert "float8_e4m3fn" not in rates
 
