@@ -6,9 +6,9 @@ bf16 forward at D 128, N >= 4k.
 
 Each variant first runs against float64 attention on its dequantized inputs (fresh random inputs, B 1, N 1000 x
 1300, 8/2 heads, causal and not; poisoned outputs), then is timed on e4m3 inputs with per-(sequence, KV head)
-descales (the public call: V's transpose and the checks included) at D 128 (--head-dim: 64, 256; VARIANTS_256 at
-256), B·N 16k, H·D 2048, N 4k/8k/16k, causal and not, beside our bf16 forward, the Triton fp8 kernel and cuDNN
-(bf16); every timed variant is compared with the first one's output on the same row.
+descales (the public call: V's transpose and the checks included) at D 128 (--head-dim: 64, 256 with VARIANTS_64,
+VARIANTS_256), B·N 16k, H·D 2048, N 4k/8k/16k, causal and not, beside our bf16 forward, the Triton fp8 kernel and
+cuDNN (bf16); every timed variant is compared with the first one's output on the same row.
 
     PYTHONPATH=. python3 lab/fp8_gluon_variants.py OUT.json [--variant NAME:field=value,...] ...   (sm_90 only)
 """
@@ -33,14 +33,17 @@ VARIANTS = {"snake": {"snake": True, "dynamic": False}, "t2": {"rescale_threshol
             "c2n256": {"consumers": 2, "block_n": 256, "stages": 2, "maxnreg": 168, "consumer_regs": 240},
             # the static schedule (each program every num_programs-th work tile) the dynamic default replaced
             "static": {"dynamic": False}}
-# D 256 (--head-dim 256): the default's two overlapped ping-pong warpgroups reload 144 spilled values a 64-key tile
-# in the sm_90 build (703 instructions: O and a fresh P·V accumulator of 64 x 256 float32 each); two serial
-# warpgroups add each tile's P·V to O a quarter of its columns at a time (436-466 instructions, 3-10 spills), with P
-# from registers or through shared memory, on 64- or 128-key tiles (626 a 128-key tile, 33-36 spills)
-SERIAL = {"pingpong": False, "overlap": False}
-VARIANTS_256 = {"q64reg": {**SERIAL, "fp8_p_shared": False}, "q64shared": {**SERIAL, "fp8_p_shared": True},
-                "q128reg": {**SERIAL, "fp8_p_shared": False, "block_n": 128, "stages": 2},
-                "q64reg-dyn": {**SERIAL, "fp8_p_shared": False, "dynamic": True}}
+# D 256 (--head-dim 256): its default is two serial warpgroups adding each tile's P·V to O a quarter of its columns at
+# a time (452-466 instructions a 64-key tile, 3-7 spills in the sm_90 build; the overlapped ping-pong loop spilled
+# 144), P through shared memory; beside it P from registers, 128-key tiles and the dynamic schedule
+VARIANTS_256 = {"q64reg": {"fp8_p_shared": False}, "q128reg": {"fp8_p_shared": False, "block_n": 128, "stages": 2},
+                "q128shared": {"block_n": 128, "stages": 2}, "q64-dyn": {"dynamic": True}}
+# D 64 (--head-dim 64): its default is two overlapped ping-pong warpgroups (an H100 ran it at 0.78x our bf16
+# forward at N 8k); three serial warpgroups as at D 128 (128 registers, no spills in the sm_90 builds)
+SERIAL_C3 = {"consumers": 3, "maxnreg": 128, "consumer_regs": 160, "pingpong": False, "overlap": False}
+VARIANTS_64 = {"c3reg": {**SERIAL_C3, "fp8_p_shared": False, "dynamic": True},
+               "c3shared": {**SERIAL_C3, "fp8_p_shared": True, "dynamic": True},
+               "c3reg-static": {**SERIAL_C3, "fp8_p_shared": False}}
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -80,9 +83,9 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... over fp8_gluon_config")
     parser.add_argument("--seqlens", default="4096,8192,16384")
     parser.add_argument("--head-dim", type=int, default=128, choices=[64, 128, 256])
-    parser.add_argument("--only", help="which of VARIANTS (D 256: VARIANTS_256) to run (comma-separated)")
+    parser.add_argument("--only", help="which of VARIANTS (D 64 / 256: VARIANTS_64 / 256) to run (comma-separated)")
     args = parser.parse_args()
-    known = VARIANTS_256 if args.head_dim == 256 else VARIANTS
+    known = {64: VARIANTS_64, 128: VARIANTS, 256: VARIANTS_256}[args.head_dim]
     variants = {name: known[name] for name in filter(None, (args.only or ",".join(known)).split(","))}
     variants.update(parse_variant(v) for v in args.variant)
     default = fp8_gluon_config(args.head_dim)

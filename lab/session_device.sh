@@ -37,10 +37,13 @@
 #   d64causal: causal D 64 on other tiles, consumer counts and work orders                             <= 120 s
 #   snake:  causal D 128/256 with every other round of work tiles reversed beside the default order   <= 90 s
 #   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
+#   d64fp8: the fp8 forward at D 64: its default beside three serial warpgroups (P from registers or shared
+#           memory, dynamic or static schedule)                                                        <= 100 s
 #   fp8bar: `ioattn bench prefill` with the fp8 forward at the W2 5/7 fp8 bar's rows (D 128, N 4k-16k) beside
 #           our bf16 forward and cuDNN, with the e4m3 matmul ceiling of the run; D 64 and 256 at N 8k      <= 190 s
-#   d256fp8: the fp8 forward's GPU tests (D 256 in quarters among them), then D 256's default beside two serial
-#           warpgroups adding P·V a quarter of O's columns at a time (fp8_gluon_variants.py --head-dim 256) <= 230 s
+#   d256fp8: the fp8 forward's GPU tests (D 256 in quarters among them), then D 256's Gluon default (two serial
+#           warpgroups adding P·V a quarter of O's columns at a time) beside its variants and the Triton fp8
+#           kernel (fp8_gluon_variants.py --head-dim 256)                                              <= 230 s
 #   prefill: `ioattn bench prefill` bf16 beside torch cuDNN over N 2k-16k, D 64/128/256, causal and not, GQA
 #           (W2 5/7), in what is left
 # Everything comes back as one archive, $OUT/session.tgz (the device returns 8 files), beside session.log.
@@ -260,9 +263,15 @@ fp8_d256() {
     source "$lab/device_log.sh" d256fp8.log
     step "GPU tests: the fp8 forward at D 256 in quarters (two serial warpgroups), and every fp8 forward GPU test"
     gpu_tests 100 8 gpu-tests.txt tests/kernels/test_fp8_forward.py
-    step "fp8 D 256: the default (two overlapped ping-pong warpgroups) beside two serial ones in quarters"
+    step "fp8 D 256: the default (two serial warpgroups in quarters, P shared) beside its variants and Triton fp8"
     timeout 120 python3 lab/fp8_gluon_variants.py "$OUT/fp8-d256.json" --head-dim 256 2>&1 | grep -v Warning \
         | cut -c1-400
+}
+fp8_d64() {
+    source "$lab/device_log.sh" d64fp8.log
+    step "fp8 D 64: the default (two overlapped ping-pong warpgroups) beside three serial ones (fp8_gluon_variants.py)"
+    timeout 90 python3 lab/fp8_gluon_variants.py "$OUT/fp8-d64.json" --head-dim 64 --seqlens 4096,16384 2>&1 \
+        | grep -v Warning | cut -c1-400
 }
 fp8_bar() {
     source "$lab/device_log.sh" fp8bar.log
@@ -312,6 +321,7 @@ run_part d64causal 120 bash -c "$(declare -f d64_causal); lab=$lab; d64_causal"
 run_part snake 90 bash -c "$(declare -f snake_order); lab=$lab; snake_order"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part d256fp8 230 bash -c "$(declare -f fp8_d256); lab=$lab; fp8_d256"
+run_part d64fp8 100 bash -c "$(declare -f fp8_d64); lab=$lab; fp8_d64"
 run_part fp8bar 190 bash -c "$(declare -f fp8_bar); lab=$lab; fp8_bar"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))

@@ -142,8 +142,10 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
 
 FP8_BACKENDS = ("auto", "triton", "gluon")
 # auto takes the Gluon kernel where it can: on an H100 1.01-1.19x the Triton one at D 128 N 4k-16k, causal and not,
-# but 0.97x at 4k causal (bench/results/2026-12-07-snake-fp8-regs-h100)
+# but 0.97x at 4k causal (bench/results/2026-12-07-snake-fp8-regs-h100); D 256 (column quarters) until measured
+# takes it only with backend="gluon"
 FP8_GLUON_AUTO = True
+FP8_GLUON_AUTO_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
@@ -190,10 +192,11 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
     scales = ("one per (sequence, KV head): q_descale / k_descale / v_descale" if fp8_inputs else
               f"one per {scale_block} positions of each head, quantized here"
               + (" after the signed Hadamard rotation of Q and K" if hadamard else ""))
-    why_not = _why_not_gluon(q.device, dim, window, config if gluon_config is None else None)
+    why_not = _why_not_gluon(q.device, dim, window, config if gluon_config is None else None, gluon_config)
     if backend == "gluon" and why_not:
         raise ValueError(f"backend='gluon' cannot take this call: {why_not}")
-    if why_not is None and (backend == "gluon" or (backend == "auto" and FP8_GLUON_AUTO)):
+    auto_gluon = backend == "auto" and FP8_GLUON_AUTO and dim in FP8_GLUON_AUTO_HEAD_DIMS
+    if why_not is None and (backend == "gluon" or auto_gluon):
         from ioattn.ops.gluon_forward import fp8_gluon_config
 
         chosen = gluon_config or fp8_gluon_config(dim)
@@ -207,8 +210,11 @@ def plan_fp8(q, k, v, causal=False, window_size=(-1, -1), softmax_scale=None, *,
         reason = "backend='triton'"
     elif why_not is not None:
         reason = f"the Gluon kernel does not take it: {why_not}"
-    else:
+    elif not FP8_GLUON_AUTO:
         reason = "auto: the Gluon kernel is switched off (FP8_GLUON_AUTO)"
+    else:
+        reason = (f"auto: at head dim {dim} the Gluon kernel is not measured faster than the Triton one "
+                  f"(FP8_GLUON_AUTO_HEAD_DIMS {FP8_GLUON_AUTO_HEAD_DIMS}; backend='gluon' takes it)")
     chosen = config or fp8_config(dim, window[1] == 0, device_capability(q.device), q.shape[1])
     return FP8Plan("triton", chosen, reason + ("" if config is None else "; config= given"), scales, scale, window)
 
@@ -225,8 +231,8 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     lse float32 natural log (B, Hq, Nq). Inference only: no gradient.
     config: a FwdConfig for the Triton launch (block_n a divisor of 128), else `fp8_config`'s; or with
     backend="gluon" a GluonConfig (`ioattn.ops.gluon_forward`) for the Gluon one. backend: "gluon"
-    (sm_90: the warp-specialized kernel; D <= 128, full or causal attention), "triton", or "auto" (Gluon where it
-    takes the call). `ioattn.explain(q, k, v, api="fp8", ...)` says which runs and why."""
+    (sm_90: the warp-specialized kernel; full or causal attention), "triton", or "auto" (Gluon where it takes
+    the call, at D 64 and 128). `ioattn.explain(q, k, v, api="fp8", ...)` says which runs and why."""
     chosen = plan_fp8(q, k, v, causal, window_size, softmax_scale, q_descale=q_descale, k_descale=k_descale,
                       v_descale=v_descale, hadamard=hadamard, scale_block=scale_block, config=config,
                       backend=backend)
@@ -272,14 +278,16 @@ def flash_attn_fp8_func(q, k, v, causal=False, window_size=(-1, -1), softmax_sca
     return (out, lse) if return_lse else out
 
 
-def _why_not_gluon(device: torch.device, head_dim: int, window: tuple[int, int], config) -> str | None:
-    """Why the warp-specialized kernel cannot take the call (it takes sm_90, D up to 128, full or causal
-    attention, its own tiles), or None."""
+def _why_not_gluon(device: torch.device, head_dim: int, window: tuple[int, int], config, gluon_config) -> str | None:
+    """Why the warp-specialized kernel cannot take the call (it takes sm_90, full or causal attention, its own
+    tiles; beyond D 128 only the serial key loop), or None."""
+    from ioattn.ops.gluon_forward import fp8_gluon_config
+
     if device_capability(device) != HOPPER:
         return f"it runs on sm_90 only ({device})"
-    if head_dim > 128:
-        return (f"head dim {head_dim}: O and each tile's P·V (two 64 x {head_dim} fp32 accumulators) spill at the "
-                "consumers' registers; D <= 128")
+    if head_dim > 128 and (gluon_config or fp8_gluon_config(head_dim)).overlap:
+        return (f"head dim {head_dim} with overlap=True: O and each tile's P·V (two 64 x {head_dim} fp32 "
+                "accumulators) spill at the consumers' registers; beyond D 128 the config needs overlap=False")
     if window[0] >= 0 or window[1] not in (-1, 0):
         return "it takes full or causal attention only, not a window"
     if config is not None:

@@ -113,7 +113,10 @@ _FP8_CONFIGS = {
     # 1.02-1.09x, the same output bit for bit (bench/results/2026-12-07-fp8-fold-h100)
     128: GluonConfig(block_n=128, stages=3, consumers=3, maxnreg=128, consumer_regs=160, pingpong=False,
                      overlap=False, fp8_p_shared=False, dynamic=True),
-    256: GluonConfig(block_n=64, stages=3),  # 32 KB Q + 3 x 32 KB + 64 KB O
+    # D 256: two serial consumer warpgroups, each tile's P·V added to O a quarter of its columns at a time (the
+    # overlapped loop holds O and a fresh 64 x 256 float32 accumulator: 144 spill reloads a 64-key tile in the sm_90
+    # build, this one 3-7). 32 KB Q + 3 x 32 KB + 64 KB O + 8 KB P
+    256: GluonConfig(block_n=64, stages=3, pingpong=False, overlap=False),
 }
 
 

@@ -155,9 +155,11 @@ def test_fp8_forward_on_gpu(dim, causal, hadamard, backend):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     q, k, v = qkv(2, 1000, 1300, 8, 2, dim, device="cuda")
     if backend == "gluon" and dim > 128:
-        with pytest.raises(ValueError, match="head dim 256"):
-            ioattn.flash_attn_fp8_func(q, k, v, causal=causal, backend=backend)
-        return
+        from ioattn.ops.gluon_forward import fp8_gluon_config
+
+        overlapped = dataclasses.replace(fp8_gluon_config(dim), overlap=True, pingpong=True)
+        with pytest.raises(ValueError, match="head dim 256 with overlap=True"):
+            ioattn.flash_attn_fp8_func(q, k, v, causal=causal, backend=backend, config=overlapped)
     # Poison: the caching allocator hands the call's outputs blocks that held NaN (a row left unwritten shows).
     poison = q.new_full((64 << 20,), float("nan"))
     del poison
@@ -262,7 +264,7 @@ def test_gluon_fp8_256_key_tiles(causal, e4m3):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_fp8_d256_serial_quarters(p_shared, block_n, causal):
     """D 256 on two serial warpgroups: each tile's P·V added to O a quarter of its columns at a time, each quarter
-    from a fresh accumulator (the kernel's _add_pv_block), with scales that change every tile."""
+    from a fresh accumulator (the kernel's _add_pv_block), with scales that change every 128 keys."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     from ioattn.ops.gluon_forward import fp8_gluon_config
@@ -273,9 +275,9 @@ def test_gluon_fp8_d256_serial_quarters(p_shared, block_n, causal):
     v[:, 1000, :, 200:] = 30.0  # the last key, large in the last quarter's columns: a block out of place shows
     poison = q.new_full((64 << 20,), float("nan"))
     del poison
-    out = ioattn.flash_attn_fp8_func(q, k, v, causal=causal, scale_block=block_n, backend="gluon", config=config)
+    out = ioattn.flash_attn_fp8_func(q, k, v, causal=causal, backend="gluon", config=config)
     torch.cuda.synchronize()
-    assert rel(out, reference_on_dequantized(q, k, v, causal, block=block_n)) < KERNEL_TOL
+    assert rel(out, reference_on_dequantized(q, k, v, causal)) < KERNEL_TOL
 
 
 def test_gluon_config_is_for_the_gluon_backend_only():
