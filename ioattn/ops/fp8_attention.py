@@ -11,15 +11,17 @@ Two ways in, both through `flash_attn_fp8_func`:
 
 Both kernels (below) multiply each score tile by its row's Q scale and the tile's K scale, round the
 probabilities to e4m3 after x 256, and add each tile's P·V, computed in a fresh accumulator, to the fp32 output
-with the tile's V scale (two-level accumulation, so no fp8 accumulation spans more than one tile). Error: the inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the
-output on random data, as in FlashAttention-3); `quantization_error` reports both against float64.
+with the tile's V scale (two-level accumulation, so no fp8 accumulation spans more than one tile). Error: the
+inputs' rounding, plus the probabilities' (3 mantissa bits: a few percent of the output on random data, as in
+FlashAttention-3); `quantization_error` reports both against float64.
 
-Kernels: on sm_90 (D <= 128, full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`, FP8
-mode; auto takes it: FP8_GLUON_AUTO), else the Triton forward; V is handed to both transposed (keys contiguous:
-fp8 wgmma reads only K-major operands; for the Gluon kernel's P from registers, its keys permuted: KEY_ORDER).
-Speed: not a speedup over bf16. On an H100 the Gluon kernel runs at 0.49-0.99x our bf16 forward at D 128 N 4k-16k
-(the register path up to 1.04x), bound by the per-tile CUDA-core work the two share, not by the tensor cores
-(bench/results/2026-12-07-snake-fp8-regs-h100).
+Kernels: on sm_90 (full or causal) the warp-specialized Gluon forward (`ioattn.kernels.gluon_fwd`, FP8 mode; auto
+takes it at D 64 and 128: FP8_GLUON_AUTO, FP8_GLUON_AUTO_HEAD_DIMS), else the Triton forward; V is handed to both
+transposed (keys contiguous: fp8 wgmma reads only K-major operands; for the Gluon kernel's P from registers, its
+keys permuted: KEY_ORDER).
+Speed (an H100, e4m3 inputs, bench/results/2026-12-08-fp8-dims-h100): at D 128 1.12-1.39x our bf16 forward at N
+4k-16k (49-66% of the e4m3 matmul ceiling); at D 64 0.67-0.78x and at D 256 (the Triton kernel) 0.50-0.54x: there
+fp8 is slower than bf16.
 
 Supported: the dense layout (B, N, H, D), D in 64, 128, 256, GQA, causal and windows (bottom-right), no
 gradient. CUDA needs compute capability 8.9+ (fp8 tensor cores); on the CPU the same kernel runs under Triton's
