@@ -294,6 +294,28 @@ def test_gluon_config_is_for_the_gluon_backend_only():
                                    config=dataclasses.replace(fp8_gluon_config(64), block_n=32))
 
 
+def test_plan_on_sm90_takes_gluon_where_auto_may(monkeypatch):
+    """The plan as an sm_90 device would make it (host arithmetic only): auto takes the Gluon kernel at D 64 and
+    128, keeps the Triton one at D 256 (its column-quarter config runs with backend='gluon'), and an overlapped
+    Gluon config beyond D 128 is refused by name."""
+    from ioattn.ops.capability import HOPPER
+    from ioattn.ops.gluon_forward import fp8_gluon_config
+
+    monkeypatch.setattr(fa8, "device_capability", lambda device: HOPPER)
+    for dim in (64, 128, 256):
+        q, k, v = qkv(1, 8, 8, 2, 1, dim)
+        auto = fa8.plan_fp8(q, k, v)
+        assert auto.kernel == ("gluon" if dim in fa8.FP8_GLUON_AUTO_HEAD_DIMS else "triton"), (dim, auto.reason)
+        if auto.kernel == "triton":
+            assert "FP8_GLUON_AUTO_HEAD_DIMS" in auto.reason
+        gluon = fa8.plan_fp8(q, k, v, backend="gluon")
+        assert gluon.kernel == "gluon" and gluon.config == fp8_gluon_config(dim)
+    assert not fp8_gluon_config(256).overlap  # O plus a whole fresh 64 x 256 accumulator spills
+    overlapped = dataclasses.replace(fp8_gluon_config(256), overlap=True, pingpong=True)
+    with pytest.raises(ValueError, match="head dim 256 with overlap=True"):
+        fa8.plan_fp8(q, k, v, backend="gluon", config=overlapped)
+
+
 def test_descales_are_read_once_per_version():
     """Reading the descales waits for the GPU: unchanged tensors passed again are not read again, but an in-place
     change (torch's version counter) is checked, and fails, like a fresh tensor."""
