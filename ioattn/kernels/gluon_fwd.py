@@ -387,13 +387,11 @@ def _join_columns(lo, hi, layout: gl.constexpr):
 
 
 @gluon.jit
-def _add_pv_block(o_block, factor, p_op, v_t, block: gl.constexpr, init):
-    """FP8: O's column block `block` (as wide as `init`) rescaled by `factor` (per row) plus P times V's columns of
-    that block (V transposed in shared memory, [D, keys]), from a fresh accumulator (two-level accumulation)."""
+def _pv_block(p_op, v_t, block: gl.constexpr, init):
+    """FP8: P times V's column block `block` (as wide as `init`; V transposed in shared memory, [D, keys]) into a
+    fresh accumulator (two-level accumulation), issued without waiting."""
     WIDTH: gl.constexpr = init.shape[1]
-    pv = warpgroup_mma(p_op, v_t.slice(block * WIDTH, WIDTH).permute((1, 0)), init, use_acc=False, is_async=True)
-    pv = warpgroup_mma_wait(0, deps=[pv])
-    return o_block * factor + pv
+    return warpgroup_mma(p_op, v_t.slice(block * WIDTH, WIDTH).permute((1, 0)), init, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -417,8 +415,8 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
     o_init = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     # FP8 at D > 128: O (64 x D float32) and a fresh P·V accumulator as large would take 2D registers a thread; the
-    # tile's P·V runs as four wgmmas of D/4 columns in turn, each added to its quarter of O before the next is issued
-    # (halves spill: ptxas shuffles O through local memory to free a contiguous block for the second accumulator)
+    # tile's P·V runs as four wgmmas of D/4 columns, each added to its quarter of O as the next one runs (halves
+    # spill: ptxas shuffles O through local memory to free a contiguous block for the second accumulator)
     PV_QUARTERS: gl.constexpr = FP8 and HEAD_DIM > 128
     if PV_QUARTERS:
         QUARTER: gl.constexpr = HEAD_DIM // 4
@@ -475,10 +473,17 @@ def _serial_key_loop(q, k_smem, v_smem, p_smem, bars, it, first, n_own, plain_st
                     p_op = _fp8_operand(p, p_quarter_layout)
                 v_t = v_smem.index(stage)
                 factor = gl.convert_layout(to_tile, gl.SliceLayout(1, quarter_layout))[:, None]
-                o0 = _add_pv_block(o0, factor, p_op, v_t, 0, quarter_init)
-                o1 = _add_pv_block(o1, factor, p_op, v_t, 1, quarter_init)
-                o2 = _add_pv_block(o2, factor, p_op, v_t, 2, quarter_init)
-                o3 = _add_pv_block(o3, factor, p_op, v_t, 3, quarter_init)
+                # each quarter's wgmma is issued before the one ahead of it is added to O (two quarter
+                # accumulators live), so the tensor cores run while the CUDA cores rescale. (P from registers is
+                # no dependency: the wait takes no 8-bit operand; ptxas keeps a register an in-flight wgmma reads.)
+                pv0 = _pv_block(p_op, v_t, 0, quarter_init)
+                pv1 = _pv_block(p_op, v_t, 1, quarter_init)
+                o0 = o0 * factor + warpgroup_mma_wait(1, deps=[pv0])
+                pv2 = _pv_block(p_op, v_t, 2, quarter_init)
+                o1 = o1 * factor + warpgroup_mma_wait(1, deps=[pv1])
+                pv3 = _pv_block(p_op, v_t, 3, quarter_init)
+                o2 = o2 * factor + warpgroup_mma_wait(1, deps=[pv2])
+                o3 = o3 * factor + warpgroup_mma_wait(0, deps=[pv3])
                 k_scale = k_scale_next
             elif FP8:  # two-level accumulation: the tile's P·V in a fresh accumulator, added to O with its V scale
                 if P_SHARED:

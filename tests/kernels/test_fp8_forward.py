@@ -264,7 +264,7 @@ def test_gluon_fp8_256_key_tiles(causal, e4m3):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_fp8_d256_serial_quarters(p_shared, block_n, causal):
     """D 256 on two serial warpgroups: each tile's P·V added to O a quarter of its columns at a time, each quarter
-    from a fresh accumulator (the kernel's _add_pv_block), with scales that change every 128 keys."""
+    from a fresh accumulator (the kernel's _pv_block) as the next one runs, with scales that change every 128 keys."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the warp-specialized kernel is sm_90 only")
     from ioattn.ops.gluon_forward import fp8_gluon_config
