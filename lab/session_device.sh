@@ -39,6 +39,8 @@
 #   bands:  the Gluon forward's bands of 32-128 query blocks beside 16 at N 8k/16k, D 128/256      <= 120 s
 #   d64fp8: the fp8 forward at D 64: its default beside three serial warpgroups (P from registers or shared
 #           memory, dynamic or static schedule)                                                        <= 100 s
+#   skeleton: the Gluon forward at D 128 (fp8 and bf16) with its softmax cut to exp2 only, then to nothing:
+#           how far the loop design is from W2 5/7's fp8 bar whatever the softmax costs (fp8_skeleton.py) <= 180 s
 #   fp8bar: `ioattn bench prefill` with the fp8 forward at the W2 5/7 fp8 bar's rows (D 128, N 4k-16k) beside
 #           our bf16 forward and cuDNN, with the e4m3 matmul ceiling of the run; D 64 and 256 at N 8k      <= 190 s
 #   d256fp8: the fp8 forward's GPU tests (D 256 in quarters among them), then D 256's Gluon default (two serial
@@ -273,6 +275,12 @@ fp8_d64() {
     timeout 90 python3 lab/fp8_gluon_variants.py "$OUT/fp8-d64.json" --head-dim 64 --seqlens 4096,16384 2>&1 \
         | grep -v Warning | cut -c1-400
 }
+fp8_skeleton() {
+    source "$lab/device_log.sh" skeleton.log
+    step "the Gluon forward at D 128 with the softmax cut to exp2 only, then to nothing (fp8_skeleton.py)"
+    timeout 170 python3 lab/fp8_skeleton.py "$OUT/fp8-skeleton.json" --seqlens 4096,16384 2>&1 | grep -v Warning \
+        | cut -c1-300
+}
 fp8_bar() {
     source "$lab/device_log.sh" fp8bar.log
     step "ioattn bench prefill: the fp8 bar's rows (D 128, N 4k-16k) beside our bf16 and cuDNN, e4m3 matmul ceiling"
@@ -322,6 +330,7 @@ run_part snake 90 bash -c "$(declare -f snake_order); lab=$lab; snake_order"
 run_part bands 120 bash -c "$(declare -f band_sweep); lab=$lab; band_sweep"
 run_part d256fp8 230 bash -c "$(declare -f fp8_d256); lab=$lab; fp8_d256"
 run_part d64fp8 100 bash -c "$(declare -f fp8_d64); lab=$lab; fp8_d64"
+run_part skeleton 180 bash -c "$(declare -f fp8_skeleton); lab=$lab; fp8_skeleton"
 run_part fp8bar 190 bash -c "$(declare -f fp8_bar); lab=$lab; fp8_bar"
 run_part mla 140 bash -c "$(declare -f mla_bench); lab=$lab; mla_bench"
 left=$(( LIMIT - SECONDS - 5 ))
