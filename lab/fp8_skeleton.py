@@ -63,6 +63,7 @@ def time_one(skeleton: str, seqlens: list[int]) -> dict:
         out = fa8.flash_attn_fp8_func(*codes, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
         expected = fa8._reference(*deq, False)
         check = float((out.double() - expected).norm() / expected.norm())
+        print(f"full: fp8 rel error {check:.4f} against float64 on the dequantized inputs (tolerance 3.5e-2)")
     for n in seqlens:
         for causal in (False, True):
             b, h, d = 16384 // n, 16, 128
