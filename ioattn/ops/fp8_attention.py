@@ -143,9 +143,9 @@ def fp8_config(head_dim: int, causal: bool, capability, n_q: int) -> FwdConfig:
 
 
 FP8_BACKENDS = ("auto", "triton", "gluon")
-# auto takes the Gluon kernel where it can: on an H100 1.01-1.19x the Triton one at D 128 N 4k-16k, causal and not,
-# but 0.97x at 4k causal (bench/results/2026-12-07-snake-fp8-regs-h100); D 256 (column quarters) until measured
-# takes it only with backend="gluon"
+# auto takes the Gluon kernel at D 128, where an H100 measured it 1.01-1.19x the Triton one at N 4k-16k, causal and
+# not, but 0.97x at 4k causal (bench/results/2026-12-07-snake-fp8-regs-h100), and at D 64, where it has not yet
+# been timed against the Triton one; D 256 (column quarters) takes it only with backend="gluon" until measured
 FP8_GLUON_AUTO = True
 FP8_GLUON_AUTO_HEAD_DIMS = (64, 128)
 

@@ -115,7 +115,7 @@ _FP8_CONFIGS = {
                      overlap=False, fp8_p_shared=False, dynamic=True),
     # D 256: two serial consumer warpgroups, each tile's P·V added to O a quarter of its columns at a time (the
     # overlapped loop holds O and a fresh 64 x 256 float32 accumulator: 144 spill reloads a 64-key tile in the sm_90
-    # build, this one 3-7). 32 KB Q + 3 x 32 KB + 64 KB O + 8 KB P
+    # build, this one 4-7). 32 KB Q + 3 x 32 KB + 64 KB O + 8 KB P
     256: GluonConfig(block_n=64, stages=3, pingpong=False, overlap=False),
 }
 
